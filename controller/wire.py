@@ -1,0 +1,339 @@
+"""Versioned wire records: the per-step telemetry record and the published policy.
+
+One ZeroMQ frame carries one record, UTF-8 JSON, exactly the DESIGN.md form (also the `.jsonl`
+line format of recordings):
+
+    frame := {"kind": "step",   "schema": 1, ...}     engine -> daemon (PUSH/PULL)
+           | {"kind": "policy", "schema": 1, ...}     daemon -> engine (PUB/SUB), file, status reply
+
+Validation is strict (`extra="forbid"`, schema version checked, bounded lists, finite numbers);
+new fields may only be added as optional ones.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Annotated, Any, Literal, Optional, Union
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    TypeAdapter,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+
+SCHEMA_VERSION = 1
+MAX_BATCH_SIZE = 65536  # bounds every per-request list on the wire
+MAX_STEPS = 64
+MAX_TOPK = 64
+MAX_DRAFT_TOKENS = 4096
+MAX_TABLE_ROWS = 1024
+MAX_FRAME_BYTES = 4 * 1024 * 1024
+
+
+class WireError(ValueError):
+    """A frame that is not a valid record; `reason` is a short metric label."""
+
+    def __init__(self, reason: str, detail: str):
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
+        self.detail = detail
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+
+class SpecConfig(_Strict):
+    """One speculative configuration; steps == 0 is plain decode."""
+
+    steps: int = Field(ge=0, le=MAX_STEPS)
+    topk: int = Field(ge=1, le=MAX_TOPK)
+    draft_tokens: int = Field(ge=1, le=MAX_DRAFT_TOKENS)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "SpecConfig":
+        if self.steps == 0 and (self.topk != 1 or self.draft_tokens != 1):
+            raise ValueError("steps=0 (plain decode) needs topk=1 and draft_tokens=1")
+        if self.steps > 0 and self.topk == 1 and self.draft_tokens != self.steps + 1:
+            raise ValueError(
+                f"a chain (topk=1) with steps={self.steps} verifies draft_tokens=steps+1="
+                f"{self.steps + 1}, not {self.draft_tokens}"
+            )
+        if self.steps > 0 and self.draft_tokens < 2:
+            raise ValueError("a speculative configuration verifies at least 2 tokens")
+        return self
+
+    @property
+    def key(self) -> tuple[int, int, int]:
+        return (self.steps, self.topk, self.draft_tokens)
+
+    @property
+    def name(self) -> str:
+        return config_name(self.key)
+
+    @property
+    def is_off(self) -> bool:
+        return self.steps == 0
+
+
+OFF = SpecConfig(steps=0, topk=1, draft_tokens=1)
+
+
+def config_name(key: tuple[int, int, int]) -> str:
+    """Canonical short name: `off`, `s3` for a chain, `s2k4n16` for a tree."""
+    steps, topk, draft = key
+    if steps == 0:
+        return "off"
+    if topk == 1:
+        return f"s{steps}"
+    return f"s{steps}k{topk}n{draft}"
+
+
+def parse_config(text: str) -> SpecConfig:
+    """`steps,topk,draft_tokens` (CLI form), `off`, `sN` (chain) or `sNkKnD`."""
+    t = text.strip().lower()
+    try:
+        if t in ("off", "0", "0,1,1"):
+            return OFF
+        if "," in t:
+            steps, topk, draft = (int(x) for x in t.split(","))
+            return SpecConfig(steps=steps, topk=topk, draft_tokens=draft)
+        if t.startswith("s") and "k" in t and "n" in t:
+            steps = int(t[1 : t.index("k")])
+            topk = int(t[t.index("k") + 1 : t.index("n")])
+            draft = int(t[t.index("n") + 1 :])
+            return SpecConfig(steps=steps, topk=topk, draft_tokens=draft)
+        if t.startswith("s"):
+            steps = int(t[1:])
+            return SpecConfig(steps=steps, topk=1, draft_tokens=steps + 1)
+    except ValidationError as e:
+        raise ValueError(f"invalid configuration {text!r}: {_first_error(e)}") from None
+    except ValueError:
+        pass
+    raise ValueError(
+        f"invalid configuration {text!r}: expected 'steps,topk,draft_tokens', 'off', 'sN' or 'sNkKnD'"
+    )
+
+
+class StepRecord(_Strict):
+    """Telemetry: one decode step of one engine rank."""
+
+    kind: Literal["step"] = "step"
+    schema_: int = Field(alias="schema", default=SCHEMA_VERSION)
+    server: str = Field(min_length=1, max_length=128)
+    rank: int = Field(ge=0, le=65535)
+    iter: int = Field(ge=0)
+    ts: float = Field(ge=0)
+    batch_size: int = Field(ge=1, le=MAX_BATCH_SIZE)
+    config: SpecConfig
+    accepted: Optional[list[Annotated[int, Field(ge=0, le=MAX_STEPS)]]] = Field(
+        default=None, max_length=MAX_BATCH_SIZE
+    )
+    step_ms: float = Field(gt=0, lt=600_000)
+    ctx_tokens: Optional[int] = Field(default=None, ge=0)
+
+    model_config = ConfigDict(
+        extra="forbid", frozen=True, allow_inf_nan=False, populate_by_name=True
+    )
+
+    @field_validator("schema_")
+    @classmethod
+    def _schema(cls, v: int) -> int:
+        if v != SCHEMA_VERSION:
+            raise ValueError(f"unsupported schema version {v} (this build reads {SCHEMA_VERSION})")
+        return v
+
+    @model_validator(mode="after")
+    def _accepted_fits(self) -> "StepRecord":
+        acc = self.accepted
+        if acc is None:
+            if self.config.steps > 0:
+                raise ValueError("accepted is required when steps > 0")
+            return self
+        if len(acc) != self.batch_size:
+            raise ValueError(
+                f"accepted has {len(acc)} entries for batch_size {self.batch_size}"
+            )
+        if acc and max(acc) > self.config.steps:
+            raise ValueError(
+                f"accepted {max(acc)} drafts with only steps={self.config.steps}"
+            )
+        return self
+
+
+class TableEntry(_Strict):
+    min_batch: int = Field(ge=1)
+    max_batch: Optional[int] = Field(default=None, ge=1)
+    config: SpecConfig
+
+    @model_validator(mode="after")
+    def _ordered(self) -> "TableEntry":
+        if self.max_batch is not None and self.max_batch < self.min_batch:
+            raise ValueError(f"max_batch {self.max_batch} < min_batch {self.min_batch}")
+        return self
+
+
+class PolicyRecord(_Strict):
+    """The batch-size -> configuration table, as published, persisted and printed.
+
+    `explore` (optional) lists batch-size ranges where a configuration lacks data; the engine
+    uses it on one step in `explore_period`, chosen by its step counter (same on every TP rank).
+    """
+
+    kind: Literal["policy"] = "policy"
+    schema_: int = Field(alias="schema", default=SCHEMA_VERSION)
+    version: int = Field(ge=0)
+    created_at: float = Field(ge=0)
+    source: Literal["online", "fixed", "file"]
+    table: list[TableEntry] = Field(min_length=1, max_length=MAX_TABLE_ROWS)
+    model: dict[str, Any] = Field(default_factory=dict)
+    explore: Optional[list[TableEntry]] = Field(default=None, max_length=MAX_TABLE_ROWS)
+    explore_period: Optional[int] = Field(default=None, ge=50)
+
+    model_config = ConfigDict(
+        extra="forbid", frozen=True, allow_inf_nan=False, populate_by_name=True
+    )
+
+    @field_validator("schema_")
+    @classmethod
+    def _schema(cls, v: int) -> int:
+        if v != SCHEMA_VERSION:
+            raise ValueError(f"unsupported schema version {v} (this build reads {SCHEMA_VERSION})")
+        return v
+
+    @model_validator(mode="after")
+    def _covers(self) -> "PolicyRecord":
+        check_table_covers(self.table)
+        return self
+
+    def configs(self) -> list[SpecConfig]:
+        seen: dict[tuple[int, int, int], SpecConfig] = {}
+        for row in list(self.table) + list(self.explore or []):
+            seen.setdefault(row.config.key, row.config)
+        return list(seen.values())
+
+
+def check_table_covers(table: list[TableEntry]) -> None:
+    expect = 1
+    for i, row in enumerate(table):
+        if row.min_batch != expect:
+            raise ValueError(
+                f"table row {i} starts at batch {row.min_batch}, expected {expect} (no gaps, no overlap)"
+            )
+        if row.max_batch is None:
+            if i != len(table) - 1:
+                raise ValueError(f"table row {i} is open-ended but is not the last row")
+            return
+        expect = row.max_batch + 1
+    raise ValueError("the last table row must be open-ended (max_batch null)")
+
+
+Record = Annotated[Union[StepRecord, PolicyRecord], Field(discriminator="kind")]
+_RECORD = TypeAdapter(Record)
+_STEP = TypeAdapter(StepRecord)
+_POLICY = TypeAdapter(PolicyRecord)
+
+
+def _first_error(e: ValidationError) -> str:
+    err = e.errors(include_url=False)[0]
+    loc = ".".join(str(x) for x in err.get("loc", ()) if x not in ("step", "policy"))
+    msg = err.get("msg", "invalid")
+    return f"{loc}: {msg}" if loc else msg
+
+
+def _reason(e: ValidationError) -> str:
+    err = e.errors(include_url=False)[0]
+    t = err.get("type", "")
+    msg = err.get("msg", "")
+    if t == "json_invalid":
+        return "bad_json"
+    if "schema version" in msg:
+        return "bad_schema_version"
+    if t in ("union_tag_invalid", "union_tag_not_found"):
+        return "bad_kind"
+    if t == "extra_forbidden":
+        return "unknown_field"
+    if t == "missing":
+        return "missing_field"
+    return "bad_value"
+
+
+def decode(frame: bytes | str) -> StepRecord | PolicyRecord:
+    """Parse one frame into a record; raises WireError(reason, detail) on anything else."""
+    if len(frame) > MAX_FRAME_BYTES:
+        raise WireError("too_large", f"frame of {len(frame)} bytes exceeds {MAX_FRAME_BYTES}")
+    try:
+        return _RECORD.validate_json(frame)
+    except ValidationError as e:
+        raise WireError(_reason(e), _first_error(e)) from None
+
+
+def decode_step(frame: bytes | str) -> StepRecord:
+    if len(frame) > MAX_FRAME_BYTES:
+        raise WireError("too_large", f"frame of {len(frame)} bytes exceeds {MAX_FRAME_BYTES}")
+    try:
+        return _STEP.validate_json(frame)
+    except ValidationError as e:
+        raise WireError(_reason(e), _first_error(e)) from None
+
+
+def decode_policy(frame: bytes | str) -> PolicyRecord:
+    if len(frame) > MAX_FRAME_BYTES:
+        raise WireError("too_large", f"frame of {len(frame)} bytes exceeds {MAX_FRAME_BYTES}")
+    try:
+        return _POLICY.validate_json(frame)
+    except ValidationError as e:
+        raise WireError(_reason(e), _first_error(e)) from None
+
+
+def policy_from_obj(obj: Any) -> PolicyRecord:
+    try:
+        return _POLICY.validate_python(obj)
+    except ValidationError as e:
+        raise WireError(_reason(e), _first_error(e)) from None
+
+
+def encode(record: StepRecord | PolicyRecord) -> bytes:
+    return record.model_dump_json(by_alias=True, exclude_none=True).encode()
+
+
+def to_obj(record: StepRecord | PolicyRecord) -> dict[str, Any]:
+    return record.model_dump(mode="json", by_alias=True, exclude_none=True)
+
+
+def encode_step_fields(
+    *,
+    server: str,
+    rank: int,
+    iter: int,
+    ts: float,
+    batch_size: int,
+    steps: int,
+    topk: int,
+    draft_tokens: int,
+    accepted: Optional[list[int]],
+    step_ms: float,
+    ctx_tokens: Optional[int] = None,
+) -> bytes:
+    """Hot-path encoder for the engine side: no model object, no validation (the daemon
+    validates every frame it takes). Produces exactly what `encode(StepRecord(...))` does."""
+    parts = [
+        '{"kind":"step","schema":1,"server":', json.dumps(server),
+        ',"rank":', str(int(rank)), ',"iter":', str(int(iter)), ',"ts":', repr(float(ts)),
+        ',"batch_size":', str(int(batch_size)),
+        ',"config":{"steps":', str(int(steps)), ',"topk":', str(int(topk)),
+        ',"draft_tokens":', str(int(draft_tokens)), "}",
+    ]
+    if accepted is not None:
+        parts += [',"accepted":[', ",".join(map(str, accepted)), "]"]
+    ms = float(step_ms)
+    parts += [',"step_ms":', repr(ms) if math.isfinite(ms) else "null"]
+    if ctx_tokens is not None:
+        parts += [',"ctx_tokens":', str(int(ctx_tokens))]
+    parts.append("}")
+    return "".join(parts).encode()

@@ -1,0 +1,1 @@
+"""specctl.plugin."""
