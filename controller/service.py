@@ -1,0 +1,331 @@
+"""The daemon's logic with no sockets: ingest step records, refit, derive and version the policy.
+
+`specctl serve` wraps it in ZeroMQ (controller/daemon.py); the simulator drives the same object
+on its virtual clock. The clock, state store, metrics and recorder are injected.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import numpy as np
+
+from ..policies import costmodel as cmpolicy
+from ..policies.fixed import DEFAULT_CONFIG, DEFAULT_THRESHOLD, fixed_threshold
+from ..policies.table import OFF, Config, PolicyTable, Row, config_name, config_to_obj
+from ..training.costmodel import CostModel, Sample, regions
+from . import wire
+from .metrics import Metrics
+from .state import StateStore
+
+log = logging.getLogger("specctl.service")
+
+
+@dataclass(frozen=True)
+class ServiceSettings:
+    mode: str = "online"  # online | fixed
+    threshold: int = DEFAULT_THRESHOLD
+    fixed_config: Config = DEFAULT_CONFIG
+    refit_interval_s: float = 5.0
+    heartbeat_s: float = 2.0
+    half_life_s: float = 600.0
+    warmup_steps: int = 2
+    # configurations the engines have runtime states for; None = those seen in telemetry + off
+    candidates: Optional[tuple[Config, ...]] = None
+    margin: float = cmpolicy.DEFAULT_MARGIN
+    explore_period: int = cmpolicy.DEFAULT_EXPLORE_PERIOD
+    min_region_samples: float = 16.0
+    max_batch: int = 1024
+    persist_model_s: float = 30.0
+    max_future_s: float = 300.0  # records stamped further ahead of our clock are rejected
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("online", "fixed"):
+            raise ValueError(f"mode must be 'online' or 'fixed', not {self.mode!r}")
+        if self.refit_interval_s <= 0 or self.heartbeat_s <= 0 or self.half_life_s <= 0:
+            raise ValueError("refit interval, heartbeat and half-life must be > 0")
+        if self.explore_period and self.explore_period < 50:
+            raise ValueError("explore_period below 50 would explore more than 2% of steps")
+
+
+@dataclass
+class ServerStats:
+    records: int = 0
+    last_ts: float = 0.0
+    last_seen: float = 0.0
+    ranks: set = field(default_factory=set)
+
+
+class ControllerService:
+    def __init__(self, settings: ServiceSettings = ServiceSettings(), *,
+                 clock: Callable[[], float] = time.time, store: Optional[StateStore] = None,
+                 metrics: Optional[Metrics] = None, recorder: Any = None,
+                 init_policy: Optional[wire.PolicyRecord] = None):
+        self.settings = settings
+        self.clock = clock
+        self.store = store
+        self.metrics = metrics or Metrics()
+        self.recorder = recorder
+        self.model = CostModel(half_life_s=settings.half_life_s, warmup_steps=settings.warmup_steps,
+                               min_region_samples=settings.min_region_samples)
+        self.model.fit([])
+        self.servers: dict[str, ServerStats] = {}
+        self.started_at = clock()
+        self.last_refit = -float("inf")
+        self.last_publish = -float("inf")
+        self.last_persist = clock()
+        self.num_refits = 0
+        self.last_refit_ms = 0.0
+        self.evidence: Optional[str] = "no telemetry yet"
+        self._dirty = True  # current policy not yet published
+        fallback = fixed_threshold(settings.threshold, settings.fixed_config)
+        self.fallback = fallback
+
+        loaded = None
+        if store is not None:
+            loaded = store.load_policy()
+            state = store.load_model()
+            if state is not None:
+                try:
+                    self.model.set_state(state)
+                except (ValueError, KeyError, TypeError) as e:
+                    store.problems.append(f"model state unusable ({e}); starting with an empty model")
+                    log.warning("model state unusable (%s); starting with an empty model", e)
+                    self.model.fit([])
+        if settings.mode == "fixed":
+            version = (loaded.version + 1) if loaded is not None and loaded.source != "fixed" else (
+                loaded.version if loaded is not None else 1)
+            self.policy = self._record(fallback, version=version, source="fixed")
+            if loaded is None or loaded.table != self.policy.table:
+                self._persist_policy()
+        elif loaded is not None:
+            self.policy = loaded
+        elif init_policy is not None:
+            self.policy = init_policy.model_copy(update={"version": max(init_policy.version, 1)})
+            self._persist_policy()
+        else:
+            self.policy = self._record(fallback, version=1, source="fixed")
+            self._persist_policy()
+        self._update_policy_metrics()
+
+    # ------------------------------------------------------------------ ingest
+
+    def observe_frame(self, frame: bytes) -> bool:
+        """Decode and take one telemetry frame; a bad frame is counted by reason and dropped."""
+        try:
+            rec = wire.decode_step(frame)
+        except wire.WireError as e:
+            reason = e.reason
+            if reason == "bad_value" and b'"kind":"policy"' in frame[:40].replace(b" ", b""):
+                reason = "wrong_kind"
+            self.metrics.rejected.labels(reason).inc()
+            return False
+        if not self.observe(rec):
+            return False
+        if self.recorder is not None:
+            self.recorder.write(frame)
+        return True
+
+    def observe(self, rec: wire.StepRecord) -> bool:
+        now = self.clock()
+        if rec.ts > now + self.settings.max_future_s:
+            self.metrics.rejected.labels("ts_in_future").inc()
+            return False
+        self.model.observe(Sample.from_record(rec))
+        st = self.servers.get(rec.server)
+        if st is None:
+            if len(self.servers) >= 4096:
+                self.metrics.rejected.labels("too_many_servers").inc()
+                return False
+            st = self.servers[rec.server] = ServerStats()
+        st.records += 1
+        st.last_ts = rec.ts
+        st.last_seen = now
+        if len(st.ranks) < 1024:
+            st.ranks.add(rec.rank)
+        self.metrics.records_in.labels(self.metrics.server_label(rec.server)).inc()
+        return True
+
+    # ------------------------------------------------------------------ refit / publish
+
+    def tick(self) -> Optional[wire.PolicyRecord]:
+        """Refit when due; return the policy to publish (a new version, or the current one as a
+        heartbeat) or None when nothing is due."""
+        now = self.clock()
+        if self.settings.mode == "online" and now - self.last_refit >= self.settings.refit_interval_s:
+            self.refit()
+        if self.store is not None and now - self.last_persist >= self.settings.persist_model_s:
+            self.persist_model()
+        if self._dirty:
+            self._dirty = False
+            self.last_publish = now
+            self.metrics.published.labels("new").inc()
+            return self.policy
+        if now - self.last_publish >= self.settings.heartbeat_s:
+            self.last_publish = now
+            self.metrics.published.labels("heartbeat").inc()
+            return self.policy
+        return None
+
+    def candidates(self) -> list[Config]:
+        if self.settings.candidates is not None:
+            return sorted(set(self.settings.candidates) | {OFF})
+        seen = set(self.model.configs())
+        return sorted(seen | {OFF})
+
+    def table_max_batch(self) -> int:
+        return int(min(self.settings.max_batch, max(64, 2 * self.model.max_observed_batch())))
+
+    def options(self, max_batch: Optional[int] = None) -> list[cmpolicy.Option]:
+        """Candidates with both a step-time fit and a known tau, predicted at b = 1..max_batch."""
+        mb = max_batch or self.table_max_batch()
+        b = np.arange(1, mb + 1)
+        out = []
+        for c in self.candidates():
+            tau = self.model.tokens_per_step(c)
+            if tau is None or not self.model.has_step_time(c):
+                continue
+            out.append(cmpolicy.Option(c, tau, self.model.predict_step_ms(c, b)))
+        return out
+
+    def _evidence_problem(self, options: list[cmpolicy.Option]) -> Optional[str]:
+        if self.model.num_samples_ == 0:
+            return "no telemetry yet"
+        have = {o.config for o in options}
+        if OFF not in have:
+            return "no steps measured with speculation off"
+        if not any(c[0] > 0 for c in have):
+            return "no steps measured with speculation on (with acceptance)"
+        return None
+
+    def refit(self) -> bool:
+        """Refit the model and re-derive the table; True if a new policy version was made."""
+        t0 = time.perf_counter()
+        now = self.clock()
+        self.last_refit = now
+        self.model.refit()
+        mb = self.table_max_batch()
+        options = self.options(mb)
+        self.evidence = self._evidence_problem(options)
+        explore = self._explore_rows()
+        current = PolicyTable.from_policy_obj(wire.to_obj(self.policy))
+        if self.evidence is None:
+            table = cmpolicy.derive(options, previous=current if self.policy.source == "online" else None,
+                                    margin=self.settings.margin, explore=explore,
+                                    explore_period=self.settings.explore_period)
+            source = "online"
+        else:
+            base = current if self.policy.source != "online" else self.fallback
+            table = PolicyTable(rows=base.rows, explore=explore,
+                                explore_period=self.settings.explore_period if explore else 0)
+            source = self.policy.source if self.policy.source != "online" else "fixed"
+        changed = (table.rows != current.rows or table.explore != current.explore
+                   or source != self.policy.source)
+        self.num_refits += 1
+        self.metrics.refits.inc()
+        if changed:
+            self.policy = self._record(table, version=self.policy.version + 1, source=source,
+                                       options=options)
+            self._persist_policy()
+            self._dirty = True
+            self._update_policy_metrics()
+        else:
+            # keep the fit summary fresh for `policy show` without minting a version
+            self.policy = self.policy.model_copy(update={"model": self._model_summary(options, table)})
+        for name, err in self.model.fit_error().items():
+            self.metrics.fit_error.labels(name).set(err)
+        self.last_refit_ms = (time.perf_counter() - t0) * 1000.0
+        self.metrics.refit_seconds.observe(self.last_refit_ms / 1000.0)
+        return changed
+
+    def _explore_rows(self) -> tuple[Row, ...]:
+        if self.settings.explore_period <= 0 or self.settings.mode != "online":
+            return ()
+        top = self.model.max_observed_batch()
+        if top <= 0:
+            return ()
+        coverage = {}
+        for c in self.candidates():
+            if self.model.has_step_time(c):
+                coverage[c] = self.model.region_samples(c, top)
+            else:
+                coverage[c] = [(lo, hi, 0.0) for lo, hi in regions(top)]
+        rows = cmpolicy.explore_rows(coverage, self.settings.min_region_samples)
+        # the last region is open-ended in practice: it covers whatever larger batches come
+        return rows
+
+    def _model_summary(self, options: list[cmpolicy.Option], table: PolicyTable) -> dict[str, Any]:
+        summary = self.model.summary(max_batch=max(1, self.model.max_observed_batch()))
+        probes = [b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024) if b <= len(options[0].step_ms)] if options else []
+        summary["predicted_goodput_tok_s"] = {
+            config_name(o.config): [[b, round(float(o.goodput()[b - 1]), 1)] for b in probes]
+            for o in options
+        }
+        summary["predicted_step_ms"] = {
+            config_name(o.config): [[b, round(float(o.step_ms[b - 1]), 4)] for b in probes]
+            for o in options
+        }
+        summary["evidence"] = self.evidence or "ok"
+        x = table.spec_off_crossover()
+        summary["spec_off_crossover"] = x
+        return summary
+
+    def _record(self, table: PolicyTable, *, version: int, source: str,
+                options: Optional[list[cmpolicy.Option]] = None) -> wire.PolicyRecord:
+        obj: dict[str, Any] = {
+            "kind": "policy", "schema": wire.SCHEMA_VERSION, "version": version,
+            "created_at": self.clock(), "source": source,
+            "table": table.to_rows_obj(),
+            "model": self._model_summary(options or [], table) if hasattr(self, "model") else {},
+        }
+        if table.explore:
+            obj["explore"] = [{"min_batch": r.min_batch, "max_batch": r.max_batch,
+                               "config": config_to_obj(r.config)} for r in table.explore]
+            obj["explore_period"] = table.explore_period
+        return wire.policy_from_obj(obj)
+
+    def _persist_policy(self) -> None:
+        if self.store is not None:
+            self.store.save_policy(self.policy)
+
+    def persist_model(self) -> None:
+        if self.store is not None:
+            self.store.save_model(self.model.get_state())
+            self.last_persist = self.clock()
+
+    def _update_policy_metrics(self) -> None:
+        m = self.metrics
+        m.policy_version.set(self.policy.version)
+        m.set_table([(r.min_batch, r.max_batch, r.config.name) for r in self.policy.table])
+        t = PolicyTable.from_policy_obj(wire.to_obj(self.policy))
+        x = t.spec_off_crossover()
+        m.crossover.set(0 if x is None else x)
+
+    # ------------------------------------------------------------------ queries
+
+    def status(self) -> dict[str, Any]:
+        now = self.clock()
+        m = self.metrics
+        rejected = {}
+        for metric in m.rejected.collect():
+            for s in metric.samples:
+                if s.name.endswith("_total"):
+                    rejected[s.labels["reason"]] = int(s.value)
+        return {
+            "kind": "status",
+            "mode": self.settings.mode,
+            "uptime_s": round(now - self.started_at, 3),
+            "records_in": self.model.num_samples_,
+            "rejected": rejected,
+            "refits": self.num_refits,
+            "last_refit_ms": round(self.last_refit_ms, 3),
+            "evidence": self.evidence or "ok",
+            "servers": {k: {"records": v.records, "ranks": sorted(v.ranks)[:16],
+                            "last_seen_s_ago": round(now - v.last_seen, 3)}
+                        for k, v in list(self.servers.items())[:64]},
+            "policy": wire.to_obj(self.policy),
+            "policy_age_s": round(now - self.policy.created_at, 3),
+        }

@@ -1,0 +1,90 @@
+"""Cost-model policy: per batch size, the configuration with the best predicted goodput.
+
+goodput(c, b) = b * tau(c) / t(c, b). Inputs are plain arrays (the fitted model lives in
+`specctl.training`); the output is a `PolicyTable` with hysteresis against the previous table and
+deterministic exploration rows for (configuration, batch region) pairs that lack measurements.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import numpy as np
+
+from .table import OFF, Config, PolicyTable, Row, rows_from_choices
+
+DEFAULT_MARGIN = 0.01  # a new best must beat the current choice by 1% to move a boundary
+DEFAULT_EXPLORE_PERIOD = 64  # one exploring step in 64 = 1.6% of steps (budget: 2%)
+
+
+@dataclass(frozen=True)
+class Option:
+    """One candidate: its tokens per step and predicted step time at b = 1..len(step_ms)."""
+
+    config: Config
+    tokens_per_step: float
+    step_ms: np.ndarray
+
+    def goodput(self) -> np.ndarray:
+        b = np.arange(1, len(self.step_ms) + 1, dtype=float)
+        return 1000.0 * b * self.tokens_per_step / self.step_ms
+
+
+def goodput_matrix(options: Sequence[Option]) -> np.ndarray:
+    """Tokens/s, shape (len(options), max batch)."""
+    return np.vstack([o.goodput() for o in options])
+
+
+def choose(options: Sequence[Option], previous: Optional[PolicyTable] = None,
+           margin: float = DEFAULT_MARGIN) -> list[Config]:
+    """Per batch size (index 0 = batch 1), the chosen configuration.
+
+    Hysteresis: where the previous table's choice is still an option and within `margin` of the
+    best, it is kept, so estimates wobbling by a percent do not move a boundary back and forth.
+    """
+    if not options:
+        raise ValueError("no options to choose from")
+    g = goodput_matrix(options)
+    best = np.argmax(g, axis=0)
+    out = [options[i].config for i in best]
+    if previous is not None:
+        idx = {o.config: i for i, o in enumerate(options)}
+        for b0 in range(g.shape[1]):
+            prev = previous.lookup(b0 + 1)
+            j = idx.get(prev)
+            if j is not None and g[j, b0] >= g[best[b0], b0] * (1.0 - margin):
+                out[b0] = prev
+    return out
+
+
+def explore_rows(coverage: dict[Config, Sequence[tuple[int, int, float]]],
+                 min_samples: float) -> tuple[Row, ...]:
+    """(region, config) pairs with fewer than `min_samples` decayed step-time samples."""
+    rows = []
+    for c in sorted(coverage):
+        for lo, hi, n in coverage[c]:
+            if n < min_samples:
+                rows.append(Row(lo, hi, c))
+    return tuple(sorted(rows, key=lambda r: (r.min_batch, r.config)))
+
+
+def derive(options: Sequence[Option], *, previous: Optional[PolicyTable] = None,
+           margin: float = DEFAULT_MARGIN, explore: Sequence[Row] = (),
+           explore_period: int = DEFAULT_EXPLORE_PERIOD, version: int = 0,
+           source: str = "online") -> PolicyTable:
+    choices = choose(options, previous, margin)
+    rows = rows_from_choices(choices)
+    if len(rows) > 256:  # pathological near-ties: drop hysteresis rather than ship a huge table
+        rows = rows_from_choices(choose(options, None, 0.0))
+    return PolicyTable(rows=rows, explore=tuple(explore),
+                       explore_period=explore_period if explore else 0,
+                       version=version, source=source)
+
+
+def crossover(table: PolicyTable) -> Optional[int]:
+    """First batch size from which the table decodes plainly for good (None: never)."""
+    return table.spec_off_crossover()
+
+
+__all__ = ["Option", "choose", "derive", "explore_rows", "goodput_matrix", "crossover", "OFF"]

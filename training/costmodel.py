@@ -1,0 +1,435 @@
+"""The online cost model: measured step time per configuration vs batch size, and acceptance.
+
+`CostModel` follows the scikit-learn estimator contract (`__init__` stores parameters, `fit` /
+`partial_fit` set trailing-underscore state and return self, `predict_*` check it is fitted).
+Recent traffic dominates: every sample's weight halves every `half_life_s` of its timestamp age.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Optional, Sequence
+
+import numpy as np
+from sklearn.isotonic import IsotonicRegression
+
+Config = tuple[int, int, int]  # (steps, topk, draft_tokens)
+OFF: Config = (0, 1, 1)
+RING = 32  # recent step times kept per (config, batch size) for the robust median
+_REBASE_S = 3600.0  # renormalise decayed weights before 2**(age/half_life) overflows
+
+
+def config_name(c: Config) -> str:
+    if c[0] == 0:
+        return "off"
+    return f"s{c[0]}" if c[1] == 1 else f"s{c[0]}k{c[1]}n{c[2]}"
+
+
+def regions(max_batch: int) -> list[tuple[int, int]]:
+    """Log2 batch-size regions [1,1], [2,3], [4,7], ... covering 1..max_batch."""
+    out, lo = [], 1
+    while lo <= max_batch:
+        out.append((lo, 2 * lo - 1))
+        lo *= 2
+    return out
+
+
+@dataclass(slots=True)
+class Sample:
+    """One measurement the model learns from.
+
+    Telemetry gives one decode step (`weight` 1, per-request `accepted`); interval-averaged sources
+    (SGLang decode-log lines, bench_serving runs) give `weight` = steps it stands for and
+    `mean_accepted` = mean accepted drafts per request instead of the list.
+    """
+
+    ts: float
+    config: Config
+    batch_size: int
+    step_ms: Optional[float]
+    accepted: Optional[Sequence[int]] = None
+    weight: float = 1.0
+    mean_accepted: Optional[float] = None
+    server: str = ""
+    rank: int = 0
+
+    @classmethod
+    def from_record(cls, rec: Any) -> "Sample":
+        c = rec.config
+        return cls(ts=rec.ts, config=(c.steps, c.topk, c.draft_tokens), batch_size=rec.batch_size,
+                   step_ms=rec.step_ms, accepted=rec.accepted, server=rec.server, rank=rec.rank)
+
+
+@dataclass
+class _TimeCell:
+    """Step times of one (config, batch size): decayed weight + the most recent values."""
+
+    weight: float = 0.0  # decayed, in the model's scaled units
+    recent: deque = field(default_factory=lambda: deque(maxlen=RING))
+
+
+@dataclass
+class _AcceptCell:
+    """Acceptance of one configuration: decayed histogram of accepted drafts per request."""
+
+    hist: list  # index a = accepted drafts (0..steps); a plain list: cheap scalar updates
+    mean_sum: float = 0.0  # decayed sum of mean_accepted*requests from interval sources
+    mean_weight: float = 0.0
+
+
+class CostModel:
+    """Step time t(c, b) (monotone in b, median-robust, warm-up steps after a switch dropped) and
+    tokens per step tau(c) = 1 + E[accepted drafts] per configuration.
+
+    Chains (topk 1) share per-position conditional acceptance a_i, pooled over every chain
+    configuration that reached position i, so tau of a chain never measured at its full length
+    is still predicted: tau(s) = 1 + sum_{i<=s} prod_{j<=i} a_j.
+    """
+
+    def __init__(self, *, half_life_s: float = 600.0, warmup_steps: int = 2,
+                 min_region_samples: float = 16.0, max_batch: int = 4096):
+        self.half_life_s = half_life_s
+        self.warmup_steps = warmup_steps
+        self.min_region_samples = min_region_samples
+        self.max_batch = max_batch
+
+    # ------------------------------------------------------------------ ingestion
+
+    def _reset(self) -> None:
+        self.t0_: Optional[float] = None
+        self.now_: float = 0.0
+        self.times_: dict[tuple[Config, int], _TimeCell] = {}
+        self.accept_: dict[Config, _AcceptCell] = {}
+        self.last_config_: dict[tuple[str, int], tuple[Config, int]] = {}
+        self.num_samples_: int = 0
+        self.num_warmup_dropped_: int = 0
+        self.fitted_: Optional[dict[Config, "_TimeFit"]] = None
+
+    def fit(self, samples: Iterable[Sample]) -> "CostModel":
+        self._reset()
+        return self.partial_fit(samples)
+
+    def partial_fit(self, samples: Iterable[Sample]) -> "CostModel":
+        if not hasattr(self, "times_"):
+            self._reset()
+        for s in samples:
+            self.observe(s)
+        self.refit()
+        return self
+
+    def _scale(self, ts: float) -> float:
+        if self.t0_ is None:
+            self.t0_ = ts
+        if ts > self.now_:
+            self.now_ = ts
+        age = ts - self.t0_
+        if age > _REBASE_S:
+            self._rebase(ts)
+            age = 0.0
+        return 2.0 ** (age / self.half_life_s)
+
+    def _rebase(self, ts: float) -> None:
+        f = 2.0 ** (-(ts - self.t0_) / self.half_life_s)  # type: ignore[operator]
+        for cell in self.times_.values():
+            cell.weight *= f
+        for acc in self.accept_.values():
+            acc.hist = [x * f for x in acc.hist]
+            acc.mean_sum *= f
+            acc.mean_weight *= f
+        self.t0_ = ts
+
+    def observe(self, s: Sample) -> None:
+        """Take one sample (hot path of the daemon: keep it O(batch size) and allocation-light)."""
+        if not hasattr(self, "times_"):
+            self._reset()
+        w = s.weight * self._scale(s.ts)
+        self.num_samples_ += 1
+        c = tuple(s.config)
+        steps = c[0]
+        # acceptance: counted for every speculative step, warm-up or not
+        if steps > 0:
+            acc = self.accept_.get(c)  # type: ignore[arg-type]
+            if acc is None:
+                acc = self.accept_[c] = _AcceptCell(hist=[0.0] * (steps + 1))  # type: ignore[index]
+            if s.accepted is not None:
+                h = acc.hist
+                counts = s.accepted.count  # C-speed passes beat a per-request Python loop
+                for k in range(steps + 1):
+                    n = counts(k)
+                    if n:
+                        h[k] += n * w
+            elif s.mean_accepted is not None:
+                acc.mean_sum += w * s.batch_size * s.mean_accepted
+                acc.mean_weight += w * s.batch_size
+        if s.step_ms is None or not (s.step_ms > 0 and math.isfinite(s.step_ms)):
+            return
+        # step time: the first steps after a switch pay for state changes; skip them
+        key = (s.server, s.rank)
+        prev = self.last_config_.get(key)
+        if prev is None or prev[0] != c:
+            self.last_config_[key] = (c, 1)  # type: ignore[assignment]
+            if prev is not None and self.warmup_steps > 0:
+                self.num_warmup_dropped_ += 1
+                return
+        else:
+            n = prev[1] + 1
+            self.last_config_[key] = (c, n)  # type: ignore[assignment]
+            if n <= self.warmup_steps:
+                self.num_warmup_dropped_ += 1
+                return
+        b = min(s.batch_size, self.max_batch)
+        cell = self.times_.get((c, b))  # type: ignore[arg-type]
+        if cell is None:
+            cell = self.times_[(c, b)] = _TimeCell()  # type: ignore[index]
+        cell.weight += w
+        cell.recent.append(s.step_ms)
+
+    # ------------------------------------------------------------------ fitting
+
+    def refit(self) -> "CostModel":
+        by_config: dict[Config, list[tuple[int, float, float]]] = {}
+        for (c, b), cell in self.times_.items():
+            if cell.recent:
+                by_config.setdefault(c, []).append((b, float(np.median(cell.recent)), cell.weight))
+        fits: dict[Config, _TimeFit] = {}
+        for c, pts in by_config.items():
+            pts.sort()
+            fits[c] = _TimeFit.build(pts)
+        # a configuration seen at one batch size only borrows the shape of the best-covered one
+        shape = max((f for f in fits.values() if len(f.b) >= 2), key=lambda f: len(f.b), default=None)
+        for f in fits.values():
+            if len(f.b) == 1 and shape is not None:
+                f.borrow_shape(shape)
+        self.fitted_ = fits
+        return self
+
+    def _check(self) -> dict[Config, "_TimeFit"]:
+        if getattr(self, "fitted_", None) is None:
+            raise RuntimeError("CostModel is not fitted yet: call fit() or partial_fit() first")
+        return self.fitted_  # type: ignore[return-value]
+
+    # ------------------------------------------------------------------ prediction
+
+    def configs(self) -> list[Config]:
+        fits = self._check()
+        return sorted(set(fits) | set(self.accept_) | {OFF})
+
+    def has_step_time(self, c: Config) -> bool:
+        return tuple(c) in self._check()
+
+    def predict_step_ms(self, c: Config, batch_sizes: Sequence[int] | np.ndarray) -> np.ndarray:
+        fits = self._check()
+        f = fits.get(tuple(c))  # type: ignore[arg-type]
+        if f is None:
+            raise KeyError(f"no step-time measurements for {config_name(c)}")
+        return f.predict(np.asarray(batch_sizes, dtype=float))
+
+    def acceptance_by_position(self, c: Config) -> Optional[np.ndarray]:
+        """Conditional acceptance a_i (i = 1..steps) pooled over chains, or None if unmeasured."""
+        steps, topk, _ = c
+        if steps == 0:
+            return np.zeros(0)
+        reached = np.zeros(steps)
+        accepted = np.zeros(steps)
+        cells = [(k, a) for k, a in self.accept_.items() if (k[1] == 1 and topk == 1) or k == tuple(c)]
+        for k, a in cells:
+            h = np.asarray(a.hist, dtype=float)
+            s = len(h) - 1
+            tail = np.cumsum(h[::-1])[::-1]  # tail[i] = requests with >= i accepted
+            n = min(s, steps)
+            # position i (1-based) was reached by requests with >= i-1 accepted; accepted by >= i
+            reached[:n] += tail[0:n]
+            accepted[:n] += tail[1 : n + 1]
+        if reached[0] <= 0:
+            return None
+        out = np.full(steps, np.nan)
+        ok = reached > 0
+        out[ok] = accepted[ok] / reached[ok]
+        # positions never reached: assume the last measured conditional rate holds
+        last = None
+        for i in range(steps):
+            if np.isnan(out[i]):
+                out[i] = last if last is not None else 0.0
+            last = out[i]
+        return out
+
+    def tokens_per_step(self, c: Config) -> Optional[float]:
+        """tau(c) = 1 + E[accepted drafts per request]; 1 for plain decode; None if unknown."""
+        c = tuple(c)  # type: ignore[assignment]
+        if c[0] == 0:
+            return 1.0
+        own = self.accept_.get(c)
+        if own is not None and sum(own.hist) <= 0 and own.mean_weight > 0:
+            return 1.0 + own.mean_sum / own.mean_weight
+        a = self.acceptance_by_position(c)
+        if a is None:
+            if own is not None and own.mean_weight > 0:
+                return 1.0 + own.mean_sum / own.mean_weight
+            return None
+        if c[1] != 1:  # trees: the accepted path length is measured directly
+            h = np.asarray(own.hist, dtype=float) if own is not None else None
+            if h is not None and h.sum() > 0:
+                return 1.0 + float((np.arange(len(h)) * h).sum() / h.sum())
+        return 1.0 + float(np.cumprod(a).sum())
+
+    def accept_weight(self, c: Config) -> float:
+        """Decayed number of requests behind tau(c) (for uncertainty reporting)."""
+        acc = self.accept_.get(tuple(c))  # type: ignore[arg-type]
+        if acc is None:
+            return 0.0
+        return float(sum(acc.hist) + acc.mean_weight) * self._now_factor()
+
+    def _now_factor(self) -> float:
+        if self.t0_ is None:
+            return 0.0
+        return 2.0 ** (-(self.now_ - self.t0_) / self.half_life_s)
+
+    def region_samples(self, c: Config, max_batch: int) -> list[tuple[int, int, float]]:
+        """(lo, hi, decayed samples) per log2 region for configuration c."""
+        f = self._now_factor()
+        out = []
+        for lo, hi in regions(max_batch):
+            wsum = sum(cell.weight for (k, b), cell in self.times_.items() if k == tuple(c) and lo <= b <= hi)
+            out.append((lo, hi, wsum * f))
+        return out
+
+    def max_observed_batch(self) -> int:
+        return max((b for (_, b) in self.times_), default=0)
+
+    def fit_error(self) -> dict[str, float]:
+        """Median relative error of the fitted curve against the per-batch medians, per config."""
+        fits = self._check()
+        out = {}
+        for c, f in fits.items():
+            pred = f.predict(f.b)
+            out[config_name(c)] = float(np.median(np.abs(pred - f.t) / np.maximum(f.t, 1e-9)))
+        return out
+
+    # ------------------------------------------------------------------ persistence
+
+    def get_state(self) -> dict[str, Any]:
+        """JSON-able aggregate state (not raw samples): restarts resume from it."""
+        if not hasattr(self, "times_"):
+            self._reset()
+        return {
+            "kind": "specctl.model", "version": 1,
+            "half_life_s": self.half_life_s, "t0": self.t0_, "now": self.now_,
+            "num_samples": self.num_samples_, "warmup_dropped": self.num_warmup_dropped_,
+            "times": [[list(c), b, cell.weight, list(cell.recent)] for (c, b), cell in self.times_.items()],
+            "accept": [[list(c), list(a.hist), a.mean_sum, a.mean_weight] for c, a in self.accept_.items()],
+        }
+
+    def set_state(self, state: dict[str, Any]) -> "CostModel":
+        if state.get("kind") != "specctl.model" or state.get("version") != 1:
+            raise ValueError("not a specctl model state (kind/version)")
+        self._reset()
+        self.t0_ = state["t0"]
+        self.now_ = float(state["now"])
+        self.num_samples_ = int(state["num_samples"])
+        self.num_warmup_dropped_ = int(state.get("warmup_dropped", 0))
+        for c, b, w, recent in state["times"]:
+            cell = _TimeCell(weight=float(w))
+            cell.recent.extend(float(x) for x in recent[-RING:])
+            self.times_[(tuple(c), int(b))] = cell  # type: ignore[index]
+        for c, hist, ms, mw in state["accept"]:
+            self.accept_[tuple(c)] = _AcceptCell(hist=[float(x) for x in hist],  # type: ignore[index]
+                                                 mean_sum=float(ms), mean_weight=float(mw))
+        return self.refit()
+
+    def summary(self, max_batch: Optional[int] = None) -> dict[str, Any]:
+        fits = self._check()
+        mb = max_batch or max(self.max_observed_batch(), 1)
+        f = self._now_factor()
+        per = {}
+        for c in self.configs():
+            tau = self.tokens_per_step(c)
+            entry: dict[str, Any] = {
+                "config": {"steps": c[0], "topk": c[1], "draft_tokens": c[2]},
+                "tokens_per_step": None if tau is None else round(tau, 4),
+                "accept_samples": round(self.accept_weight(c), 1),
+            }
+            if c in fits:
+                tf = fits[c]
+                entry["step_ms_points"] = len(tf.b)
+                entry["batch_range"] = [int(tf.b[0]), int(tf.b[-1])]
+                entry["step_samples"] = round(float(tf.w.sum()) * f, 1)
+                entry["regions"] = [
+                    {"min_batch": lo, "max_batch": hi, "samples": round(n, 1)}
+                    for lo, hi, n in self.region_samples(c, mb)
+                ]
+                a = self.acceptance_by_position(c)
+                if a is not None and len(a):
+                    entry["accept_rate_by_position"] = [round(float(x), 4) for x in a]
+            per[config_name(c)] = entry
+        return {
+            "samples": self.num_samples_,
+            "warmup_dropped": self.num_warmup_dropped_,
+            "half_life_s": self.half_life_s,
+            "fit_error": {k: round(v, 4) for k, v in self.fit_error().items()},
+            "configs": per,
+        }
+
+
+@dataclass
+class _TimeFit:
+    """Isotonic (non-decreasing) fit through per-batch medians inside the measured range; linear
+    extrapolation outside it, with slopes from a weighted least-squares line over each end."""
+
+    b: np.ndarray
+    t: np.ndarray  # medians
+    w: np.ndarray
+    y: np.ndarray  # isotonic values
+    slope_lo: float
+    slope_hi: float
+    borrowed: Optional["_TimeFit"] = None
+
+    @classmethod
+    def build(cls, pts: list[tuple[int, float, float]]) -> "_TimeFit":
+        b = np.array([p[0] for p in pts], dtype=float)
+        t = np.array([p[1] for p in pts], dtype=float)
+        w = np.array([max(p[2], 1e-12) for p in pts], dtype=float)
+        if len(b) >= 2:
+            y = IsotonicRegression(increasing=True).fit(b, t, sample_weight=w).predict(b)
+        else:
+            y = t.copy()
+        slope_lo = _end_slope(b, y, w, low=True)
+        slope_hi = _end_slope(b, y, w, low=False)
+        return cls(b=b, t=t, w=w, y=y, slope_lo=slope_lo, slope_hi=slope_hi)
+
+    def borrow_shape(self, other: "_TimeFit") -> None:
+        self.borrowed = other
+
+    def predict(self, x: np.ndarray) -> np.ndarray:
+        x = np.asarray(x, dtype=float)
+        if len(self.b) == 1:
+            if self.borrowed is None:
+                return np.full(x.shape, self.y[0])
+            # same relative shape as the best-covered configuration, anchored at our one point
+            ref = self.borrowed.predict(np.concatenate([self.b, x]))
+            return self.y[0] * ref[1:] / max(ref[0], 1e-9)
+        out = np.interp(x, self.b, self.y)
+        lo, hi = self.b[0], self.b[-1]
+        below = x < lo
+        above = x > hi
+        out[below] = self.y[0] - self.slope_lo * (lo - x[below])
+        out[above] = self.y[-1] + self.slope_hi * (x[above] - hi)
+        return np.maximum(out, 1e-6)
+
+
+def _end_slope(b: np.ndarray, y: np.ndarray, w: np.ndarray, *, low: bool) -> float:
+    """Non-negative weighted LSQ slope over the lowest/highest half of the points (>= 2)."""
+    n = len(b)
+    if n < 2:
+        return 0.0
+    k = max(2, (n + 1) // 2)
+    sl = slice(0, k) if low else slice(n - k, n)
+    bb, yy, ww = b[sl], y[sl], w[sl]
+    ww = ww / ww.sum()
+    mb = (ww * bb).sum()
+    my = (ww * yy).sum()
+    var = (ww * (bb - mb) ** 2).sum()
+    if var <= 0:
+        return 0.0
+    return max(0.0, float((ww * (bb - mb) * (yy - my)).sum() / var))
