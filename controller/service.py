@@ -57,6 +57,7 @@ class ServerStats:
     last_ts: float = 0.0
     last_seen: float = 0.0
     ranks: set = field(default_factory=set)
+    counter: Any = None  # this server's records_in child (label lookup once, not per record)
 
 
 class ControllerService:
@@ -141,12 +142,13 @@ class ControllerService:
                 self.metrics.rejected.labels("too_many_servers").inc()
                 return False
             st = self.servers[rec.server] = ServerStats()
+            st.counter = self.metrics.records_in.labels(self.metrics.server_label(rec.server))
         st.records += 1
         st.last_ts = rec.ts
         st.last_seen = now
         if len(st.ranks) < 1024:
             st.ranks.add(rec.rank)
-        self.metrics.records_in.labels(self.metrics.server_label(rec.server)).inc()
+        st.counter.inc()
         return True
 
     # ------------------------------------------------------------------ refit / publish

@@ -249,11 +249,12 @@ def status_request(ctx: zmq.Context, endpoint: str, request: dict[str, Any], *,
 
 
 def telemetry_blocking_push(ctx: zmq.Context, endpoint: str, *, hwm: int = 1000,
-                            keys: Optional[CurveKeys] = None) -> zmq.Socket:
+                            keys: Optional[CurveKeys] = None, send_timeout_ms: int = 10_000) -> zmq.Socket:
     """For `specctl replay`: a PUSH whose send blocks at the high-water mark, so that no
     recorded frame is lost to it (the engine-side sender drops instead)."""
     sock = ctx.socket(zmq.PUSH)
     sock.setsockopt(zmq.LINGER, 5000)
     sock.setsockopt(zmq.SNDHWM, hwm)
+    sock.setsockopt(zmq.SNDTIMEO, send_timeout_ms)  # a daemon that takes nothing: fail, not hang
     _connect(sock, endpoint, keys)
     return sock

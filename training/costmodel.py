@@ -165,7 +165,11 @@ class CostModel:
                 acc.mean_weight += w * s.batch_size
         if s.step_ms is None or not (s.step_ms > 0 and math.isfinite(s.step_ms)):
             return
-        # step time: the first steps after a switch pay for state changes; skip them
+        # step time: the first steps after a switch pay for state changes; skip them (single
+        # steps only: an interval-averaged sample has already diluted them)
+        if s.weight > 1:
+            self._add_time(c, s.batch_size, w, s.step_ms)  # type: ignore[arg-type]
+            return
         key = (s.server, s.rank)
         prev = self.last_config_.get(key)
         if prev is None or prev[0] != c:
@@ -179,12 +183,15 @@ class CostModel:
             if n <= self.warmup_steps:
                 self.num_warmup_dropped_ += 1
                 return
-        b = min(s.batch_size, self.max_batch)
-        cell = self.times_.get((c, b))  # type: ignore[arg-type]
+        self._add_time(c, s.batch_size, w, s.step_ms)  # type: ignore[arg-type]
+
+    def _add_time(self, c: Config, batch_size: int, w: float, step_ms: float) -> None:
+        b = min(batch_size, self.max_batch)
+        cell = self.times_.get((c, b))
         if cell is None:
-            cell = self.times_[(c, b)] = _TimeCell()  # type: ignore[index]
+            cell = self.times_[(c, b)] = _TimeCell()
         cell.weight += w
-        cell.recent.append(s.step_ms)
+        cell.recent.append(step_ms)
 
     # ------------------------------------------------------------------ fitting
 

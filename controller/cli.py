@@ -1,0 +1,279 @@
+"""The `specctl` command line: parse, build objects, call one function."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import Optional
+
+import click
+
+from . import settings as _settings
+from . import transport, wire
+
+
+def _env() -> dict[str, str]:
+    return dict(os.environ)
+
+
+def _parse_config(ctx: click.Context, param: click.Parameter, value: Optional[str]):
+    if value is None:
+        return None
+    try:
+        return wire.parse_config(value).key
+    except ValueError as e:
+        raise click.BadParameter(str(e)) from None
+
+
+def _parse_configs(ctx: click.Context, param: click.Parameter, value: Optional[str]):
+    if not value:
+        return None
+    try:
+        return tuple(wire.parse_config(v).key for v in value.split(";" if ";" in value else " ") if v)
+    except ValueError as e:
+        raise click.BadParameter(str(e)) from None
+
+
+def _load_keys(secret_file: Optional[str], server_public_file: Optional[str],
+               allowed_dir: Optional[str] = None) -> Optional[transport.CurveKeys]:
+    if not secret_file:
+        return None
+    import zmq.auth
+
+    public, secret = zmq.auth.load_certificate(secret_file)
+    if secret is None:
+        raise click.BadParameter(f"{secret_file} holds no secret key", param_hint="--curve-secret-key")
+    server_public = None
+    if server_public_file:
+        server_public, _ = zmq.auth.load_certificate(server_public_file)
+    allowed = None
+    if allowed_dir:
+        allowed = tuple(zmq.auth.load_certificates(allowed_dir).keys())
+    return transport.CurveKeys(public=public, secret=secret, server_public=server_public,
+                               allowed_clients=allowed)
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--log-level", default="INFO", show_default=True,
+              type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False))
+def main(log_level: str) -> None:
+    """specctl: decides, every decode step, whether SGLang speculates with EAGLE-3 (and how)."""
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+# --------------------------------------------------------------------------- serve
+
+
+@main.command()
+@click.option("--telemetry", help="Telemetry endpoint to bind (PULL). Default: ipc in the runtime dir.")
+@click.option("--publish", help="Policy endpoint to bind (PUB). Default: ipc in the runtime dir.")
+@click.option("--status", "status_ep", help="Status endpoint to bind (REP). Default: ipc in the runtime dir.")
+@click.option("--state-dir", type=click.Path(file_okay=False), help="Where policy and model state persist.")
+@click.option("--refit-interval", default=5.0, show_default=True, type=click.FloatRange(min=0.01),
+              help="Seconds between refits.")
+@click.option("--heartbeat", default=2.0, show_default=True, type=click.FloatRange(min=0.01),
+              help="Seconds between re-publications of an unchanged policy.")
+@click.option("--half-life", default=600.0, show_default=True, type=click.FloatRange(min=1.0),
+              help="Seconds after which a measurement counts half.")
+@click.option("--mode", type=click.Choice(["online", "fixed"]), default="online", show_default=True)
+@click.option("--threshold", default=5, show_default=True, type=click.IntRange(min=1),
+              help="Fixed mode and fallback: plain decode from this batch size up.")
+@click.option("--config", "fixed_config", default="3,1,4", show_default=True, callback=_parse_config,
+              help="Fixed mode and fallback: steps,topk,draft_tokens used below the threshold.")
+@click.option("--configs", callback=_parse_configs,
+              help="Configurations the engines have runtime states for, e.g. 'off s1 s2 s3' "
+                   "(default: those seen in telemetry). See `specctl sglang-args`.")
+@click.option("--explore-period", default=64, show_default=True, type=int,
+              help="One exploring step in N where a configuration lacks data (0 = never; >= 50).")
+@click.option("--metrics-port", type=int, help="Serve Prometheus /metrics on this port.")
+@click.option("--metrics-host", default="127.0.0.1", show_default=True)
+@click.option("--init-policy", type=click.Path(exists=True, dir_okay=False),
+              help="Policy file (specctl train) to start from when the state dir holds none.")
+@click.option("--record", type=click.Path(file_okay=False), help="Record accepted telemetry here (rotating .jsonl.gz).")
+@click.option("--record-max-mb", default=1024, show_default=True, type=click.IntRange(min=1))
+@click.option("--curve-secret-key", type=click.Path(exists=True, dir_okay=False),
+              help="Server certificate (specctl keys generate): enables CURVE on every endpoint.")
+@click.option("--curve-allowed-dir", type=click.Path(exists=True, file_okay=False),
+              help="Directory of client public certificates allowed to connect.")
+@click.option("--insecure", is_flag=True, help="Allow binding non-loopback tcp without CURVE keys.")
+@click.option("--shed-when-behind", is_flag=True,
+              help="When telemetry arrives faster than it can be fitted, fit every other record "
+                   "(counted as shed) instead of back-pressuring the senders.")
+def serve(telemetry, publish, status_ep, state_dir, refit_interval, heartbeat, half_life, mode,
+          threshold, fixed_config, configs, explore_period, metrics_port, metrics_host, init_policy,
+          record, record_max_mb, curve_secret_key, curve_allowed_dir, insecure,
+          shed_when_behind) -> None:
+    """Run the sidecar daemon: ingest telemetry, fit, publish the policy."""
+    from .daemon import Daemon, Endpoints, serve_forever
+    from .metrics import Metrics
+    from .service import ControllerService, ServiceSettings
+    from .state import StateStore
+
+    env = _env()
+    defaults = _settings.default_endpoints(env)
+    eps = Endpoints(telemetry=telemetry or defaults["telemetry"], publish=publish or defaults["publish"],
+                    status=status_ep or defaults["status"])
+    try:
+        svc_settings = ServiceSettings(mode=mode, threshold=threshold, fixed_config=fixed_config,
+                                       refit_interval_s=refit_interval, heartbeat_s=heartbeat,
+                                       half_life_s=half_life, candidates=configs,
+                                       explore_period=explore_period)
+    except ValueError as e:
+        raise click.UsageError(str(e)) from None
+    store = StateStore(state_dir or _settings.state_base(env))
+    init = None
+    if init_policy:
+        try:
+            init = wire.decode_policy(Path(init_policy).read_bytes())
+        except wire.WireError as e:
+            raise click.UsageError(f"--init-policy {init_policy}: {e}") from None
+    recorder = None
+    if record:
+        from .recorder import Recorder
+
+        recorder = Recorder(record, max_bytes=record_max_mb * 1024 * 1024)
+    keys = _load_keys(curve_secret_key, None, curve_allowed_dir)
+    service = ControllerService(svc_settings, store=store, metrics=Metrics(), recorder=recorder,
+                                init_policy=init)
+    for problem in store.problems:
+        click.echo(f"state: {problem}", err=True)
+    try:
+        daemon = Daemon(service, eps, keys=keys, insecure=insecure, metrics_port=metrics_port,
+                        metrics_host=metrics_host, shed_when_behind=shed_when_behind)
+    except transport.TransportError as e:
+        raise click.ClickException(str(e)) from None
+    click.echo(f"specctl serve: policy v{service.policy.version} ({service.policy.source}) from "
+               f"{store.dir}; telemetry {eps.telemetry}; policy {eps.publish}; status {eps.status}"
+               + (f"; metrics http://{metrics_host}:{metrics_port}/metrics" if metrics_port else ""),
+               err=True)
+    serve_forever(daemon)
+
+
+# --------------------------------------------------------------------------- policy show
+
+
+@main.group()
+def policy() -> None:
+    """Inspect policies."""
+
+
+@policy.command("show")
+@click.option("--json", "as_json", is_flag=True, help="Print the DESIGN.md policy JSON.")
+@click.option("--state-dir", type=click.Path(file_okay=False), help="Read the daemon's persisted policy.")
+@click.option("--endpoint", help="Ask a running daemon (status endpoint).")
+@click.option("--file", "file_", type=click.Path(dir_okay=False), help="Read a policy file.")
+@click.option("--plot", type=click.Path(dir_okay=False), help="Draw goodput vs batch size to this PNG.")
+def policy_show(as_json: bool, state_dir: Optional[str], endpoint: Optional[str],
+                file_: Optional[str], plot: Optional[str]) -> None:
+    """Show the current policy: table, predicted goodput, samples, version, age, source."""
+    from . import show
+    from .state import StateStore
+
+    if sum(x is not None for x in (state_dir, endpoint, file_)) > 1:
+        raise click.UsageError("give at most one of --state-dir, --endpoint, --file")
+    env = _env()
+    if file_:
+        try:
+            pol = wire.decode_policy(Path(file_).read_bytes())
+        except OSError as e:
+            raise click.ClickException(f"{file_}: {e.strerror}") from None
+        except wire.WireError as e:
+            raise click.ClickException(f"{file_}: not a valid policy: {e}") from None
+    elif state_dir is not None:
+        store = StateStore(state_dir)
+        pol = store.load_policy()
+        for p in store.problems:
+            click.echo(f"state: {p}", err=True)
+        if pol is None:
+            raise click.ClickException(f"no policy in {state_dir}")
+    else:
+        ep = endpoint or _settings.default_endpoints(env)["status"]
+        import zmq
+
+        try:
+            obj = transport.status_request(zmq.Context.instance(), ep, {"cmd": "policy"})
+            pol = wire.policy_from_obj(obj)
+        except transport.TransportError as e:
+            raise click.ClickException(str(e)) from None
+        except wire.WireError as e:
+            raise click.ClickException(f"{ep} answered with an invalid policy: {e}") from None
+    if as_json:
+        click.echo(json.dumps(wire.to_obj(pol), indent=2))
+    else:
+        click.echo(show.render(pol))
+    if plot:
+        try:
+            show.plot(pol, plot)
+        except RuntimeError as e:
+            raise click.ClickException(str(e)) from None
+        click.echo(f"wrote {plot}", err=True)
+
+
+# --------------------------------------------------------------------------- replay
+
+
+@main.command()
+@click.argument("file", type=click.Path(exists=True, dir_okay=False))
+@click.option("--to", "endpoint", help="Daemon telemetry endpoint (default: ipc in the runtime dir).")
+@click.option("--speed", type=click.FloatRange(min=0.001),
+              help="Pace at X times the recorded cadence (default: as fast as the daemon takes it).")
+def replay(file: str, endpoint: Optional[str], speed: Optional[float]) -> None:
+    """Stream recorded telemetry (.jsonl / .jsonl.gz) into a running daemon."""
+    from .replay import replay_to
+
+    ep = endpoint or _settings.default_endpoints(_env())["telemetry"]
+    rep = replay_to(file, ep, speed=speed)
+    click.echo(f"sent {rep.sent} records to {ep}; skipped {rep.skipped} lines")
+    for p in rep.problems:
+        click.echo(f"  {p}", err=True)
+    if rep.sent == 0:
+        sys.exit(1)
+
+
+# --------------------------------------------------------------------------- keys
+
+
+@main.group()
+def keys() -> None:
+    """CURVE keys for endpoints reachable from other hosts."""
+
+
+@keys.command("generate")
+@click.argument("directory", type=click.Path(file_okay=False))
+@click.option("--name", default="server", show_default=True, help="Certificate base name.")
+def keys_generate(directory: str, name: str) -> None:
+    """Write NAME.key (public) and NAME.key_secret (0600) into DIRECTORY."""
+    import zmq.auth
+
+    d = Path(directory)
+    d.mkdir(parents=True, exist_ok=True, mode=0o700)
+    pub, sec = zmq.auth.create_certificates(str(d), name)
+    os.chmod(sec, 0o600)
+    click.echo(f"public: {pub}\nsecret: {sec}")
+
+
+def _register_optional() -> None:
+    """Sub-commands that live in their own modules."""
+    import importlib
+
+    for module, attr in (("cli_sglang", "sglang_args"), ("cli_train", "train"),
+                         ("cli_bench", "bench"), ("cli_bench", "demo")):
+        try:
+            mod = importlib.import_module(f"{__package__}.{module}")
+        except ModuleNotFoundError as e:
+            if e.name and e.name.endswith(module):
+                continue
+            raise
+        cmd = getattr(mod, attr, None)
+        if cmd is not None:
+            main.add_command(cmd)
+
+
+_register_optional()
+
+
+if __name__ == "__main__":
+    main()

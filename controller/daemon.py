@@ -1,0 +1,170 @@
+"""`specctl serve`: the ControllerService behind real sockets (telemetry PULL, policy PUB,
+status REP) plus a Prometheus /metrics endpoint. Single-threaded event loop."""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import zmq
+
+from . import transport, wire
+from .service import ControllerService
+
+log = logging.getLogger("specctl.daemon")
+
+DRAIN_MAX = 4096  # frames taken per loop turn before status and publishing get a turn
+
+
+@dataclass(frozen=True)
+class Endpoints:
+    telemetry: str
+    publish: str
+    status: Optional[str] = None
+
+
+class Daemon:
+    def __init__(self, service: ControllerService, endpoints: Endpoints, *,
+                 ctx: Optional[zmq.Context] = None, keys: Optional[transport.CurveKeys] = None,
+                 insecure: bool = False, metrics_port: Optional[int] = None,
+                 metrics_host: str = "127.0.0.1", shed_when_behind: bool = False):
+        self.service = service
+        self.endpoints = endpoints
+        self.ctx = ctx or zmq.Context.instance()
+        self._own_ctx = ctx is None
+        self.pull = transport.telemetry_pull(self.ctx, endpoints.telemetry, keys=keys, insecure=insecure)
+        try:
+            self.pub = transport.policy_pub(self.ctx, endpoints.publish, keys=keys, insecure=insecure)
+            self.rep = (transport.status_rep(self.ctx, endpoints.status, keys=keys, insecure=insecure)
+                        if endpoints.status else None)
+        except Exception:
+            self.pull.close(linger=0)
+            raise
+        self.metrics_server = None
+        if metrics_port is not None:
+            if metrics_host not in ("127.0.0.1", "localhost", "::1") and not insecure:
+                raise transport.TransportError(
+                    f"metrics on {metrics_host} would be reachable from other hosts; pass --insecure to allow")
+            from prometheus_client import start_http_server
+
+            started = start_http_server(metrics_port, addr=metrics_host, registry=service.metrics.registry)
+            self.metrics_server = started[0] if isinstance(started, tuple) else None
+        self.stop_event = threading.Event()
+        # Off by default: a full queue then back-pressures the senders (engines drop and count,
+        # `specctl replay` waits), so nothing sent by replay is lost.
+        self.shed_when_behind = shed_when_behind
+        self.shedding = False
+
+    def run(self, stop: Optional[threading.Event] = None) -> None:
+        stop = stop or self.stop_event
+        poller = zmq.Poller()
+        poller.register(self.pull, zmq.POLLIN)
+        if self.rep is not None:
+            poller.register(self.rep, zmq.POLLIN)
+        svc = self.service
+        log.info("serving: telemetry %s, policy %s, status %s", self.endpoints.telemetry,
+                 self.endpoints.publish, self.endpoints.status)
+        self._publish(svc.tick())
+        try:
+            while not stop.is_set():
+                events = dict(poller.poll(50))
+                if self.pull in events:
+                    self._drain()
+                if self.rep is not None and self.rep in events:
+                    self._answer()
+                self._publish(svc.tick())
+        finally:
+            self.close()
+
+    def _drain(self) -> None:
+        svc = self.service
+        n = 0
+        shed = self.shedding
+        while n < DRAIN_MAX:
+            try:
+                frame = self.pull.recv(zmq.NOBLOCK, copy=True)
+            except zmq.Again:
+                break
+            n += 1
+            if shed and n % 2 == 0:
+                # behind: every other frame is counted and skipped, so the model keeps up with a
+                # uniform sample instead of lagging further behind the engines
+                svc.metrics.shed.inc()
+                continue
+            svc.observe_frame(frame)
+        # a full turn means a backlog: shed next turn; an emptied queue ends shedding
+        self.shedding = self.shed_when_behind and n >= DRAIN_MAX
+
+    def _answer(self) -> None:
+        try:
+            raw = self.rep.recv(zmq.NOBLOCK)  # type: ignore[union-attr]
+        except zmq.Again:
+            return
+        try:
+            req = json.loads(raw)
+            cmd = req.get("cmd") if isinstance(req, dict) else None
+            if cmd == "status":
+                reply: dict[str, Any] = self.service.status()
+            elif cmd == "policy":
+                reply = wire.to_obj(self.service.policy)
+            elif cmd == "ping":
+                reply = {"kind": "pong"}
+            else:
+                reply = {"error": f"unknown command {cmd!r}; use status, policy or ping"}
+            result = "error" if "error" in reply else "ok"
+        except ValueError:
+            reply, result = {"error": "request is not JSON"}, "error"
+        self.service.metrics.status_requests.labels(result).inc()
+        self.rep.send(json.dumps(reply, default=str).encode())  # type: ignore[union-attr]
+
+    def _publish(self, policy: Optional[wire.PolicyRecord]) -> None:
+        if policy is None:
+            return
+        try:
+            self.pub.send(wire.encode(policy), zmq.NOBLOCK)
+        except zmq.Again:
+            pass  # PUB never blocks; a slow subscriber gets the next heartbeat
+
+    def close(self) -> None:
+        try:
+            self.service.persist_model()
+        except OSError as e:
+            log.error("could not persist model state: %s", e)
+        if self.service.recorder is not None:
+            self.service.recorder.close()
+        for s in (self.pull, self.pub, self.rep):
+            if s is not None and not s.closed:
+                s.close(linger=0)
+        if self.metrics_server is not None:
+            self.metrics_server.shutdown()
+        if self._own_ctx:
+            pass  # the shared instance context lives as long as the process
+
+
+def serve_forever(daemon: Daemon) -> None:
+    import signal
+
+    def _stop(signum: int, frame: Any) -> None:
+        log.info("signal %d: stopping", signum)
+        daemon.stop_event.set()
+
+    signal.signal(signal.SIGTERM, _stop)
+    signal.signal(signal.SIGINT, _stop)
+    daemon.run()
+
+
+def wait_for_status(ctx: zmq.Context, endpoint: str, timeout_s: float = 10.0) -> dict[str, Any]:
+    """Poll the status endpoint until the daemon answers (tests, demo)."""
+    deadline = time.monotonic() + timeout_s
+    last: Optional[Exception] = None
+    while time.monotonic() < deadline:
+        try:
+            return transport.status_request(ctx, endpoint, {"cmd": "ping"}, timeout_ms=500)
+        except transport.TransportError as e:
+            last = e
+            time.sleep(0.05)
+    raise transport.TransportError(f"daemon at {endpoint} did not answer within {timeout_s} s: {last}")

@@ -1,0 +1,135 @@
+"""Human views of a policy: the table with the goodput behind each choice, and a plot."""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Optional
+
+from . import wire
+
+
+def _goodput_at(model: dict[str, Any], name: str, b: int) -> Optional[float]:
+    pts = (model.get("predicted_goodput_tok_s") or {}).get(name)
+    if not pts:
+        return None
+    # log-spaced probes: take the nearest probe at or below b (interpolate linearly)
+    lo = None
+    for pb, g in pts:
+        if pb <= b:
+            lo = (pb, g)
+        elif lo is not None:
+            return lo[1] + (g - lo[1]) * (b - lo[0]) / (pb - lo[0])
+        else:
+            return g
+    return lo[1] if lo else None
+
+
+def _samples_in(model: dict[str, Any], name: str, lo: int, hi: Optional[int]) -> Optional[float]:
+    cfg = (model.get("configs") or {}).get(name)
+    if not cfg or "regions" not in cfg:
+        return None
+    total = 0.0
+    for r in cfg["regions"]:
+        if r["max_batch"] >= lo and (hi is None or r["min_batch"] <= hi):
+            total += r["samples"]
+    return total
+
+
+def render(policy: wire.PolicyRecord, *, now: Optional[float] = None) -> str:
+    now = time.time() if now is None else now
+    m = policy.model or {}
+    age = max(0.0, now - policy.created_at)
+    lines = [
+        f"policy v{policy.version}  source={policy.source}  age={_age(age)}  "
+        f"evidence={m.get('evidence', 'n/a')}  samples={m.get('samples', 0)}",
+    ]
+    names = sorted((m.get("predicted_goodput_tok_s") or {}).keys(), key=_order)
+    header = f"{'batch size':>12}  {'config':<10}"
+    for n in names:
+        header += f"  {n + ' tok/s':>12}"
+    header += f"  {'samples':>8}"
+    lines.append(header)
+    lines.append("-" * len(header))
+    for row in policy.table:
+        rng = f"{row.min_batch}-{row.max_batch}" if row.max_batch is not None else f"{row.min_batch}+"
+        name = row.config.name
+        line = f"{rng:>12}  {name:<10}"
+        mid = row.min_batch if row.max_batch is None else (row.min_batch + row.max_batch) // 2
+        for n in names:
+            g = _goodput_at(m, n, mid)
+            cell = "-" if g is None else f"{g:,.0f}"
+            if n == name:
+                cell = "*" + cell
+            line += f"  {cell:>12}"
+        s = _samples_in(m, name, row.min_batch, row.max_batch)
+        line += f"  {'-' if s is None else f'{s:,.0f}':>8}"
+        lines.append(line)
+    if names:
+        lines.append(f"(goodput predicted at each range's midpoint; * = chosen)")
+    if policy.explore:
+        ex = ", ".join(f"{r.config.name}@{r.min_batch}-{r.max_batch if r.max_batch else '+'}"
+                       for r in policy.explore[:12])
+        more = f" (+{len(policy.explore) - 12} more)" if len(policy.explore) > 12 else ""
+        lines.append(f"exploring 1 step in {policy.explore_period}: {ex}{more}")
+    cfgs = m.get("configs") or {}
+    if cfgs:
+        parts = []
+        for n in sorted(cfgs, key=_order):
+            tau = cfgs[n].get("tokens_per_step")
+            if tau is not None and n != "off":
+                parts.append(f"{n} tau={tau:.2f}")
+        if parts:
+            lines.append("tokens/step: " + ", ".join(parts))
+    if m.get("fit_error"):
+        lines.append("fit error (median rel.): " + ", ".join(
+            f"{k} {v:.1%}" for k, v in sorted(m["fit_error"].items(), key=lambda kv: _order(kv[0]))))
+    return "\n".join(lines)
+
+
+def _order(name: str) -> tuple[int, str]:
+    if name == "off":
+        return (0, "")
+    digits = "".join(ch for ch in name[1:] if ch.isdigit())
+    return (int(digits[:2] or 0) if name.startswith("s") else 99, name)
+
+
+def _age(s: float) -> str:
+    if s < 120:
+        return f"{s:.0f}s"
+    if s < 7200:
+        return f"{s / 60:.0f}m"
+    return f"{s / 3600:.1f}h"
+
+
+def plot(policy: wire.PolicyRecord, out_png: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as e:  # optional extra
+        raise RuntimeError("plotting needs matplotlib: pip install 'specctl[plot]'") from e
+    m = policy.model or {}
+    curves = m.get("predicted_goodput_tok_s") or {}
+    if not curves:
+        raise RuntimeError("this policy carries no goodput predictions to plot (no fit yet)")
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for name in sorted(curves, key=_order):
+        pts = curves[name]
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", ms=3, label=name)
+    env_b, env_g = [], []
+    for b in sorted({p[0] for pts in curves.values() for p in pts}):
+        env_b.append(b)
+        env_g.append(max(g for pts in curves.values() for pb, g in pts if pb == b))
+    ax.plot(env_b, env_g, color="k", lw=2.5, alpha=0.25, label="envelope")
+    for row in policy.table[1:]:
+        ax.axvline(row.min_batch, color="grey", ls=":", lw=1)
+        ax.text(row.min_batch, ax.get_ylim()[1] * 0.97, f" {row.config.name}", fontsize=8, va="top")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("batch size")
+    ax.set_ylabel("predicted goodput (tokens/s)")
+    ax.set_title(f"specctl policy v{policy.version} ({policy.source})")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out_png, dpi=120)
+    plt.close(fig)

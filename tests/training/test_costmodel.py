@@ -1,0 +1,125 @@
+import numpy as np
+import pytest
+
+from specctl.training.costmodel import CostModel, Sample
+from specctl.training.synth import generate, truth_with_crossover
+
+OFF, S1, S2, S3 = (0, 1, 1), (1, 1, 2), (2, 1, 3), (3, 1, 4)
+
+
+def _samples(truth, n, bs, seed=0, **kw):
+    for r in generate(truth, num_steps=n, batch_sizes=bs, seed=seed, **kw):
+        c = r["config"]
+        yield Sample(ts=r["ts"], config=(c["steps"], c["topk"], c["draft_tokens"]), batch_size=r["batch_size"],
+                     step_ms=r["step_ms"], accepted=r.get("accepted"), server=r["server"])
+
+
+def test_unfitted_model_refuses_to_predict():
+    with pytest.raises(RuntimeError, match="not fitted"):
+        CostModel().predict_step_ms(OFF, [1])
+
+
+def test_recovers_linear_step_time_and_acceptance():
+    truth = truth_with_crossover(30, accept=(0.8, 0.6, 0.5))
+    m = CostModel().fit(_samples(truth, 20000, list(range(1, 97))))
+    b = np.array([1, 16, 48, 96])
+    for ct in truth.configs:
+        pred = m.predict_step_ms(ct.config, b)
+        np.testing.assert_allclose(pred, ct.step_ms(b), rtol=0.03)
+    a = m.acceptance_by_position(S3)
+    np.testing.assert_allclose(a, [0.8, 0.6, 0.5], atol=0.02)
+    assert m.tokens_per_step(S3) == pytest.approx(truth.configs[1].tokens_per_step(), rel=0.02)
+    assert m.tokens_per_step(OFF) == 1.0
+
+
+def test_pooled_chain_acceptance_predicts_longer_chain():
+    # only s1 and s2 measured; s3's tau comes from pooled per-position rates (last rate repeated)
+    m = CostModel()
+    rng = np.random.default_rng(0)
+    rows = []
+    for i in range(4000):
+        c = S1 if i % 2 else S2
+        steps = c[0]
+        ok = rng.random((8, steps)) < np.array([0.9, 0.7][:steps])
+        acc = np.where(ok.all(axis=1), steps, np.argmin(ok, axis=1)).tolist()
+        rows.append(Sample(ts=i * 0.01, config=c, batch_size=8, step_ms=5.0, accepted=acc))
+    m.fit(rows)
+    np.testing.assert_allclose(m.acceptance_by_position(S2), [0.9, 0.7], atol=0.02)
+    assert m.tokens_per_step(S3) == pytest.approx(1 + 0.9 + 0.9 * 0.7 + 0.9 * 0.7 * 0.7, rel=0.03)
+
+
+def test_robust_to_outliers_and_switch_warmup():
+    m = CostModel(warmup_steps=2)
+    rows, ts = [], 0.0
+    for block in range(200):
+        c = S3 if block % 2 else OFF
+        for j in range(10):
+            ts += 0.01
+            ms = 10.0 if c == S3 else 5.0
+            if j < 2:
+                ms *= 8  # the first steps after a switch are slow (graph/state warm-up)
+            if (block * 10 + j) % 37 == 0:
+                ms *= 20  # rare spikes
+            rows.append(Sample(ts=ts, config=c, batch_size=4, step_ms=ms,
+                               accepted=[1, 1, 1, 1] if c == S3 else None))
+    m.fit(rows)
+    assert m.predict_step_ms(S3, [4])[0] == pytest.approx(10.0, rel=0.01)
+    assert m.predict_step_ms(OFF, [4])[0] == pytest.approx(5.0, rel=0.01)
+    assert m.num_warmup_dropped_ > 0
+
+
+def test_monotone_in_batch_size_even_with_noisy_medians():
+    rows = []
+    rng = np.random.default_rng(3)
+    for i in range(6000):
+        b = int(rng.integers(1, 64))
+        rows.append(Sample(ts=i * 0.01, config=OFF, batch_size=b, step_ms=6 + 0.01 * b + rng.normal(0, 0.6)))
+    m = CostModel().fit(rows)
+    pred = m.predict_step_ms(OFF, np.arange(1, 200))
+    assert np.all(np.diff(pred) >= -1e-9)
+
+
+def test_recent_traffic_dominates():
+    m = CostModel(half_life_s=10.0)
+    old = [Sample(ts=float(i) * 0.1, config=S1, batch_size=2, step_ms=5.0, accepted=[1, 1]) for i in range(1000)]
+    new = [Sample(ts=300 + i * 0.1, config=S1, batch_size=2, step_ms=5.0, accepted=[0, 0]) for i in range(200)]
+    m.fit(old + new)
+    assert m.tokens_per_step(S1) < 1.05  # 30 half-lives later the old acceptance is forgotten
+
+
+def test_interval_samples_give_tau_and_time():
+    m = CostModel().fit([Sample(ts=1.0, config=S2, batch_size=16, step_ms=8.0, weight=40, mean_accepted=1.2),
+                         Sample(ts=2.0, config=S2, batch_size=32, step_ms=9.0, weight=40, mean_accepted=1.2)])
+    assert m.tokens_per_step(S2) == pytest.approx(2.2)
+    assert m.predict_step_ms(S2, [24])[0] == pytest.approx(8.5)
+
+
+def test_single_point_config_borrows_shape():
+    rows = [Sample(ts=i, config=OFF, batch_size=b, step_ms=5 + 0.1 * b) for i, b in enumerate(range(1, 65))]
+    rows += [Sample(ts=100 + i, config=S1, batch_size=4, step_ms=7.0, accepted=[1] * 4) for i in range(10)]
+    m = CostModel(warmup_steps=0).fit(rows)
+    p = m.predict_step_ms(S1, [4, 64])
+    assert p[0] == pytest.approx(7.0)
+    assert p[1] == pytest.approx(7.0 * (5 + 6.4) / (5 + 0.4), rel=0.01)
+
+
+def test_state_round_trip():
+    truth = truth_with_crossover(12)
+    m = CostModel().fit(_samples(truth, 3000, list(range(1, 33))))
+    m2 = CostModel().set_state(m.get_state())
+    b = np.arange(1, 40)
+    for c in (OFF, S3):
+        np.testing.assert_allclose(m2.predict_step_ms(c, b), m.predict_step_ms(c, b))
+        assert m2.tokens_per_step(c) == pytest.approx(m.tokens_per_step(c))
+    with pytest.raises(ValueError):
+        CostModel().set_state({"kind": "other"})
+
+
+def test_summary_reports_regions_and_uncertainty():
+    truth = truth_with_crossover(12)
+    m = CostModel().fit(_samples(truth, 3000, list(range(1, 33))))
+    s = m.summary(max_batch=32)
+    off = s["configs"]["off"]
+    assert [r["min_batch"] for r in off["regions"]] == [1, 2, 4, 8, 16, 32]
+    assert sum(r["samples"] for r in off["regions"]) > 0
+    assert s["configs"]["s3"]["accept_rate_by_position"][0] == pytest.approx(0.8, abs=0.03)
