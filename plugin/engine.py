@@ -1,0 +1,409 @@
+"""The engine-side controller: per-step decision, policy intake, TP-synchronised apply, telemetry.
+
+No sglang or torch import: the SGLang hooks (plugin/sglang_hooks.py) and the simulator
+(training/) drive the same object, the latter on a virtual clock.
+
+One decode step, on every TP rank, in the same order:
+
+    decide(batch_size) -> steps          policy seam: AdaptiveSpeculativeParams.get_steps_for_batch
+    ... draft / verify ...
+    step_record(...) -> frame            rank 0 only: telemetry (attributed by the result's width)
+    note_result() -> at_boundary         every `sync_every` results:
+    sync(broadcast)                      rank 0's take_pending() is broadcast, every rank apply()s it
+
+Only rank 0 ever looks at the clock or at policy frames; what it concludes (a new table, or
+"fall back, because ...") reaches the other ranks through the broadcast, at the same step.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Mapping, Optional
+
+from ..controller import wire
+from ..policies.fixed import DEFAULT_CONFIG, DEFAULT_THRESHOLD, fixed_threshold
+from ..policies.table import OFF, Config, PolicyTable, chain
+
+log = logging.getLogger("specctl.plugin")
+
+MODES = ("online", "fixed", "file")
+ENV_PREFIX = "SPECCTL_"
+
+
+@dataclass(frozen=True)
+class PluginSettings:
+    """Everything the plugin is told, read once from `SPECCTL_*` by `register()` (see from_env)."""
+
+    mode: str = "online"  # online: follow the daemon | fixed: threshold only | file: policy_file
+    server_id: str = "sglang-0"
+    telemetry_endpoint: Optional[str] = None  # None: no telemetry is sent
+    policy_endpoint: Optional[str] = None  # None: no daemon is listened to
+    fallback_threshold: int = DEFAULT_THRESHOLD
+    fallback_config: Config = DEFAULT_CONFIG
+    stale_after_s: float = 30.0  # no policy frame (heartbeats count) for this long -> fallback
+    policy_file: Optional[str] = None
+    sync_every: int = 8  # decode results between two TP policy broadcasts
+    telemetry_hwm: int = 10_000
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"SPECCTL_MODE must be one of {', '.join(MODES)}, not {self.mode!r}")
+        if self.mode == "file" and not self.policy_file:
+            raise ValueError("SPECCTL_MODE=file needs SPECCTL_POLICY_FILE")
+        if self.fallback_threshold < 1:
+            raise ValueError(f"SPECCTL_FALLBACK_THRESHOLD must be >= 1, got {self.fallback_threshold}")
+        if self.fallback_config[1] != 1:
+            raise ValueError("SPECCTL_FALLBACK_CONFIG: SGLang adaptive speculation runs chains (topk=1) only")
+        if not self.stale_after_s > 0:
+            raise ValueError(f"SPECCTL_STALE_AFTER_S must be > 0, got {self.stale_after_s}")
+        if self.sync_every < 1:
+            raise ValueError(f"SPECCTL_SYNC_EVERY must be >= 1, got {self.sync_every}")
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str], *, default_rundir: Optional[str] = None) -> "PluginSettings":
+        """`SPECCTL_MODE`, `SPECCTL_SERVER_ID`, `SPECCTL_RUNDIR` (ipc endpoints of `specctl serve`),
+        `SPECCTL_TELEMETRY` / `SPECCTL_POLICY` (endpoints; override the rundir ones; `none` turns
+        one off), `SPECCTL_FALLBACK_THRESHOLD`, `SPECCTL_FALLBACK_CONFIG` (`s3`, `off`, `3,1,4`),
+        `SPECCTL_STALE_AFTER_S`, `SPECCTL_POLICY_FILE`, `SPECCTL_SYNC_EVERY`."""
+
+        def get(name: str) -> Optional[str]:
+            v = env.get(ENV_PREFIX + name)
+            return v.strip() if v is not None and v.strip() else None
+
+        kw: dict[str, Any] = {}
+        if get("MODE"):
+            kw["mode"] = get("MODE").lower()  # type: ignore[union-attr]
+        if get("SERVER_ID"):
+            kw["server_id"] = get("SERVER_ID")
+        rundir = get("RUNDIR") or default_rundir
+        tel = get("TELEMETRY") or (f"ipc://{rundir}/telemetry.sock" if rundir else None)
+        pol = get("POLICY") or (f"ipc://{rundir}/policy.sock" if rundir else None)
+        kw["telemetry_endpoint"] = None if tel in (None, "none", "off") else tel
+        kw["policy_endpoint"] = None if pol in (None, "none", "off") else pol
+        try:
+            if get("FALLBACK_THRESHOLD"):
+                kw["fallback_threshold"] = int(get("FALLBACK_THRESHOLD"))  # type: ignore[arg-type]
+            if get("FALLBACK_CONFIG"):
+                kw["fallback_config"] = wire.parse_config(get("FALLBACK_CONFIG")).key  # type: ignore[arg-type]
+            if get("STALE_AFTER_S"):
+                kw["stale_after_s"] = float(get("STALE_AFTER_S"))  # type: ignore[arg-type]
+            if get("SYNC_EVERY"):
+                kw["sync_every"] = int(get("SYNC_EVERY"))  # type: ignore[arg-type]
+        except ValueError as e:
+            raise ValueError(f"bad SPECCTL_* setting: {e}") from None
+        if get("POLICY_FILE"):
+            kw["policy_file"] = get("POLICY_FILE")
+            kw.setdefault("mode", "file")
+        return cls(**kw)
+
+
+@dataclass(frozen=True)
+class PolicyUpdate:
+    """What rank 0 broadcasts at a sync boundary: a table to use, or None = fall back (reason)."""
+
+    table: Optional[PolicyTable]
+    reason: Optional[str] = None
+
+
+@dataclass
+class EngineStats:
+    num_decisions: int = 0
+    num_results: int = 0
+    num_syncs: int = 0
+    num_updates_applied: int = 0
+    num_frames: int = 0
+    num_frames_rejected: int = 0
+    steps_chosen: dict[int, int] = field(default_factory=dict)
+
+
+class EngineController:
+    """Per-process controller; one per SGLang scheduler process (= TP rank).
+
+    `candidate_steps`: the step counts SGLang built a runtime state for (0 = no speculation).
+    `clock`: seconds, monotonic (only consulted on rank 0, for staleness).
+    `initial_policy`: a policy frame to start from (mode `file`: every rank reads the same file).
+    """
+
+    def __init__(self, settings: PluginSettings, *, candidate_steps: Iterable[int],
+                 clock: Callable[[], float] = time.monotonic, rank: int = 0,
+                 initial_policy: Optional[bytes] = None):
+        self.settings = settings
+        self.clock = clock
+        self.rank = rank
+        self.candidate_steps: frozenset[int] = frozenset(int(s) for s in candidate_steps)
+        if not self.candidate_steps:
+            raise ValueError("no candidate steps: SGLang built no adaptive runtime state")
+        self.stats = EngineStats()
+        self.fallback = self._build_fallback(settings.fallback_threshold, settings.fallback_config)
+        self.table: PolicyTable = self.fallback
+        self.active_source = "fallback"
+        self.active_version: Optional[int] = None
+        self.fallback_reason: Optional[str] = None
+        self.failed: Optional[str] = None  # an internal error: fallback for good
+        self.step_counter = 0
+        self._pending: Optional[PolicyUpdate] = None
+        self._last_frame: Optional[bytes] = None
+        self._last_good: Optional[PolicyUpdate] = None
+        self._last_frame_at: Optional[float] = None
+        self._started_at = clock() if rank == 0 else 0.0
+        self._no_daemon_reported = False
+        self._logged: set[str] = set()
+        self._prefix = (
+            '{"kind":"step","schema":1,"server":' + _json_str(settings.server_id)
+            + ',"rank":' + str(int(rank)) + ',"iter":'
+        ).encode()
+        self._config_frag: dict[int, bytes] = {}
+
+        if settings.mode == "fixed":
+            self.active_source = "fixed"
+        elif settings.mode == "file":
+            if initial_policy is None:
+                self._fall_back(f"mode file: no policy read from {settings.policy_file}")
+            else:
+                upd = self._update_from_frame(initial_policy)
+                self.apply(upd)
+        else:
+            where = settings.policy_endpoint or "no SPECCTL_POLICY endpoint"
+            self._fall_back(f"no policy received yet (daemon at {where})")
+
+    # ------------------------------------------------------------------ decision (every rank)
+
+    def decide(self, batch_size: int) -> int:
+        """The step count for this decode batch; advances the step counter (same on every rank)."""
+        counter = self.step_counter
+        self.step_counter = counter + 1
+        try:
+            steps = self.table.decide(batch_size, counter)[0]
+            if steps not in self.candidate_steps:  # tables are checked on apply; belt and braces
+                raise RuntimeError(f"table chose steps={steps} with no runtime state")
+        except Exception as e:  # noqa: BLE001 - the server must keep serving
+            self.fail(f"decide({batch_size}) raised {type(e).__name__}: {e}")
+            steps = self.fallback.lookup(batch_size)[0]
+        self.stats.num_decisions += 1
+        sc = self.stats.steps_chosen
+        sc[steps] = sc.get(steps, 0) + 1
+        return steps
+
+    # ------------------------------------------------------------------ policy intake (rank 0)
+
+    def offer_policy_frame(self, frame: bytes) -> Optional[str]:
+        """Take one frame from the policy subscription; stage it for the next sync boundary.
+        Returns why the frame was rejected, or None. A repeated frame is a heartbeat."""
+        if self.settings.mode != "online" or self.failed:
+            return None
+        now = self.clock()
+        self.stats.num_frames += 1
+        if frame == self._last_frame and self._last_good is not None:
+            self._last_frame_at = now
+            if self.active_source == "fallback" and self._pending is None:
+                self._pending = self._last_good  # back from staleness
+            return None
+        try:
+            rec = wire.decode_policy(frame)
+        except wire.WireError as e:
+            self.stats.num_frames_rejected += 1
+            self._log_once("warning", f"rejected a policy frame ({e.reason}): {e.detail}")
+            return e.reason
+        self._last_frame = frame
+        self._last_frame_at = now
+        upd = self._update_from_record(rec)
+        if upd.table is not None:
+            self._last_good = upd
+            if (self.active_source != "fallback" and self.active_version == upd.table.version
+                    and self.table == upd.table):
+                return None  # the policy in force, re-sent
+        else:
+            self._last_good = None
+        self._pending = upd
+        return None
+
+    def stage_fallback(self, reason: str) -> None:
+        """Rank 0: fall back at the next sync boundary, on every rank (e.g. policy intake broke)."""
+        self._pending = PolicyUpdate(None, reason)
+        self._last_good = None
+
+    def take_pending(self) -> Optional[PolicyUpdate]:
+        """Rank 0 at a sync boundary: the update every rank should apply now, or None."""
+        if self.settings.mode != "online" or self.failed:
+            return None
+        upd, self._pending = self._pending, None
+        if upd is not None:
+            return upd
+        now = self.clock()
+        if self.active_source != "fallback" and self._last_frame_at is not None:
+            quiet_s = now - self._last_frame_at
+            if quiet_s > self.settings.stale_after_s:
+                return PolicyUpdate(None, (
+                    f"policy v{self.active_version} is stale: no frame from the daemon for "
+                    f"{quiet_s:.0f} s (timeout {self.settings.stale_after_s:g} s)"))
+        elif (self._last_frame_at is None and not self._no_daemon_reported
+              and now - self._started_at > self.settings.stale_after_s):
+            self._no_daemon_reported = True
+            return PolicyUpdate(None, (
+                f"no daemon: no policy frame in {now - self._started_at:.0f} s "
+                f"(is `specctl serve` publishing at {self.settings.policy_endpoint}?)"))
+        return None
+
+    # ------------------------------------------------------------------ TP-synchronised apply
+
+    def note_result(self) -> bool:
+        """Count one decode result (every rank, same order); True at a sync boundary."""
+        n = self.stats.num_results + 1
+        self.stats.num_results = n
+        return n % self.settings.sync_every == 0
+
+    def sync(self, broadcast: Optional[Callable[[Any], Any]] = None) -> Optional[PolicyUpdate]:
+        """At a sync boundary on every rank: rank 0's pending update, broadcast, applied
+        everywhere. `broadcast(obj)` returns rank 0's obj on every rank (None: a single rank)."""
+        mine = self.take_pending() if self.rank == 0 else None
+        upd = broadcast(mine) if broadcast is not None else mine
+        self.stats.num_syncs += 1
+        if upd is not None:
+            self.apply(upd)
+        return upd
+
+    def apply(self, update: PolicyUpdate) -> None:
+        """Switch tables; the new one answers from the next decide() (the scheduler thread)."""
+        if self.failed:
+            return
+        if update.table is None:
+            self._fall_back(update.reason or "fallback requested")
+            return
+        why = self.table_problem(update.table)
+        if why:
+            self._fall_back(why)
+            return
+        t = update.table
+        was = (self.active_source, self.active_version)
+        self.table = t
+        self.active_source = t.source
+        self.active_version = t.version
+        self.fallback_reason = None
+        self.stats.num_updates_applied += 1
+        if was != (t.source, t.version):
+            log.info("specctl: policy v%d (%s) in force from decode step %d: %s", t.version, t.source,
+                     self.step_counter, _describe(t))
+
+    def fail(self, reason: str) -> None:
+        """An internal error: the fixed-threshold fallback for the rest of this process."""
+        if self.failed:
+            return
+        self.failed = reason
+        self._fall_back(f"internal error, specctl stays on the fallback: {reason}", level="error")
+
+    # ------------------------------------------------------------------ telemetry (rank 0)
+
+    def step_record(self, *, iter: int, ts: float, batch_size: int, draft_tokens: int,
+                    accepted: Optional[list[int]], step_ms: float,
+                    ctx_tokens: Optional[int] = None) -> bytes:
+        """One DESIGN.md `step` frame, exactly `wire.encode(StepRecord(...))`. The configuration is
+        the one that produced this result: a chain of `draft_tokens - 1` steps."""
+        frag = self._config_frag.get(draft_tokens)
+        if frag is None:
+            steps = draft_tokens - 1 if draft_tokens > 1 else 0
+            frag = (',"config":{"steps":%d,"topk":1,"draft_tokens":%d}' % (steps, max(1, draft_tokens))).encode()
+            self._config_frag[draft_tokens] = frag
+        if draft_tokens > 1 and accepted is not None:
+            acc = b',"accepted":[' + ",".join(map(str, accepted)).encode() + b"]"
+        else:
+            acc = b""
+        ms = float(step_ms)
+        tail = b'}' if ctx_tokens is None else b',"ctx_tokens":%d}' % ctx_tokens
+        return b"".join((
+            self._prefix, b"%d" % iter, b',"ts":', repr(float(ts)).encode(),
+            b',"batch_size":%d' % batch_size, frag, acc,
+            b',"step_ms":', (repr(ms) if math.isfinite(ms) else "null").encode(), tail,
+        ))
+
+    # ------------------------------------------------------------------ helpers
+
+    def table_problem(self, table: PolicyTable) -> Optional[str]:
+        """Why this table cannot run on this server, or None."""
+        for c in table.configs():
+            if c[0] != 0 and c[1] != 1:
+                return (f"policy v{table.version} names {c} (topk {c[1]}): SGLang adaptive "
+                        f"speculation runs chains (topk=1) only")
+            if c[0] not in self.candidate_steps:
+                return (f"policy v{table.version} names steps={c[0]}, which has no runtime state "
+                        f"(built: {sorted(self.candidate_steps)}; see `specctl sglang-args`)")
+        return None
+
+    def status(self) -> dict[str, Any]:
+        return {
+            "source": self.active_source, "version": self.active_version,
+            "fallback_reason": self.fallback_reason, "failed": self.failed,
+            "candidate_steps": sorted(self.candidate_steps), "step_counter": self.step_counter,
+            "num_results": self.stats.num_results, "num_syncs": self.stats.num_syncs,
+            "num_updates_applied": self.stats.num_updates_applied,
+            "num_frames": self.stats.num_frames, "num_frames_rejected": self.stats.num_frames_rejected,
+            "steps_chosen": dict(sorted(self.stats.steps_chosen.items())),
+        }
+
+    def _update_from_frame(self, frame: bytes) -> PolicyUpdate:
+        try:
+            rec = wire.decode_policy(frame)
+        except wire.WireError as e:
+            return PolicyUpdate(None, f"unreadable policy ({e.reason}): {e.detail}")
+        return self._update_from_record(rec)
+
+    def _update_from_record(self, rec: wire.PolicyRecord) -> PolicyUpdate:
+        try:
+            table = PolicyTable.from_policy_obj(wire.to_obj(rec))
+        except (ValueError, KeyError) as e:
+            return PolicyUpdate(None, f"policy v{rec.version} is not a usable table: {e}")
+        why = self.table_problem(table)
+        return PolicyUpdate(None, why) if why else PolicyUpdate(table)
+
+    def _build_fallback(self, threshold: int, config: Config) -> PolicyTable:
+        steps = config[0]
+        built = sorted(self.candidate_steps)
+        if steps not in self.candidate_steps:
+            lower = [s for s in built if 0 < s <= steps]
+            near = lower[-1] if lower else next((s for s in built if s > 0), 0)
+            self._log_once("warning", f"fallback steps={steps} has no runtime state (built: {built}); "
+                                      f"the fallback speculates with steps={near}")
+            config = chain(near)
+        table = fixed_threshold(threshold, config)
+        if 0 not in self.candidate_steps and table.configs() != [config]:
+            # no "off" state was built: speculate with the fallback configuration at every size
+            self._log_once("warning", f"no runtime state for steps=0 (built: {built}); the fallback "
+                                      f"cannot switch speculation off at batch >= {threshold}")
+            table = PolicyTable.from_rows([(1, None, config)], source="fixed")
+        if table.configs() == [OFF] and 0 not in self.candidate_steps:
+            table = PolicyTable.from_rows([(1, None, chain(built[0]))], source="fixed")
+        return table
+
+    def _fall_back(self, reason: str, level: str = "warning") -> None:
+        changed = self.active_source != "fallback" or self.fallback_reason != reason
+        self.table = self.fallback
+        self.active_source = "fallback"
+        self.active_version = None
+        self.fallback_reason = reason
+        if changed:
+            self._log_once(level, f"fixed-threshold fallback ({_describe(self.fallback)}) from decode "
+                                  f"step {self.step_counter}: {reason}")
+
+    def _log_once(self, level: str, msg: str) -> None:
+        if msg in self._logged:
+            return
+        self._logged.add(msg)
+        getattr(log, level)("specctl: %s", msg)
+
+
+def _describe(t: PolicyTable) -> str:
+    parts = []
+    for r in t.rows:
+        rng = f"{r.min_batch}+" if r.max_batch is None else f"{r.min_batch}-{r.max_batch}"
+        parts.append(f"bs {rng}: steps={r.config[0]}")
+    if t.explore:
+        parts.append(f"explore 1/{t.explore_period}")
+    return ", ".join(parts)
+
+
+def _json_str(s: str) -> str:
+    import json
+
+    return json.dumps(s)

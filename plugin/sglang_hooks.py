@@ -1,0 +1,370 @@
+"""The SGLang side of the plugin: three hooks around the EngineController (plugin/engine.py).
+
+    REPLACE  AdaptiveSpeculativeParams           -> SpecctlSpeculativeParams: decide() per decode batch
+    AROUND   EAGLEWorkerV2.forward_batch_generation  CUDA events around the decode step (rank 0)
+    AFTER    SchedulerBatchResultProcessor._resolve_spec_v2_tokens
+             every rank, every decode result, same order: telemetry (rank 0), and every
+             `sync_every` results rank 0's pending policy is broadcast on the TP group and applied.
+
+Imported only inside SGLang scheduler processes (plugin/__init__.py gates it). Every hook calls the
+original first-class and swallows its own errors: a fault here falls back, never takes the server down.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+from .engine import EngineController, PluginSettings
+
+log = logging.getLogger("specctl.plugin")
+
+
+@dataclass(frozen=True)
+class Targets:
+    policy: str = "sglang.srt.speculative.adaptive_spec_params.AdaptiveSpeculativeParams"
+    forward: str = "sglang.srt.speculative.eagle_worker_v2.EAGLEWorkerV2.forward_batch_generation"
+    result: str = ("sglang.srt.managers.scheduler_components.batch_result_processor."
+                   "SchedulerBatchResultProcessor._resolve_spec_v2_tokens")
+
+
+SGLANG_TARGETS = Targets()
+_RUNTIME: Optional["PluginRuntime"] = None
+
+
+class CpuTimer:
+    """Host-side timing, for hosts without CUDA (the CPU tests); a GPU step needs CudaEventTimer."""
+
+    def start(self) -> Any:
+        return time.perf_counter()
+
+    def stop(self, mark: Any) -> Any:
+        return (time.perf_counter() - mark) * 1000.0
+
+    def elapsed_ms(self, token: Any) -> Optional[float]:
+        return token
+
+
+class CudaEventTimer:
+    """CUDA events recorded on the forward stream around the step: under the overlap scheduler the
+    call only launches work, so host time would measure launch. Events are pooled (no allocation
+    per step) and read only once complete (never synchronised)."""
+
+    def __init__(self, torch_mod: Any):
+        self._torch = torch_mod
+        self._pool: list[tuple[Any, Any]] = []
+
+    def start(self) -> Any:
+        pair = self._pool.pop() if self._pool else (
+            self._torch.cuda.Event(enable_timing=True), self._torch.cuda.Event(enable_timing=True))
+        pair[0].record()
+        return pair
+
+    def stop(self, pair: Any) -> Any:
+        pair[1].record()
+        return pair
+
+    def elapsed_ms(self, pair: Any) -> Optional[float]:
+        try:
+            if not pair[1].query():
+                return None
+            return float(pair[0].elapsed_time(pair[1]))
+        finally:
+            if len(self._pool) < 16:
+                self._pool.append(pair)
+
+
+class PluginRuntime:
+    """Process-wide plugin state: settings, transport (rank 0), TP group, timer, the engine."""
+
+    def __init__(self, settings: PluginSettings, *, targets: Targets = SGLANG_TARGETS,
+                 policy_file_bytes: Optional[bytes] = None,
+                 tp_group_fn: Optional[Callable[[], Any]] = None,
+                 zmq_context: Any = None, timer: Any = None,
+                 clock: Callable[[], float] = time.monotonic):
+        self.settings = settings
+        self.targets = targets
+        self.policy_file_bytes = policy_file_bytes
+        self.tp_group_fn = tp_group_fn or _sglang_tp_group
+        self.zmq_context = zmq_context
+        self.timer = timer
+        self.clock = clock
+        self.engine: Optional[EngineController] = None
+        self.rank = 0
+        self.world_size = 1
+        self.tp_group: Any = None
+        self.sender: Any = None
+        self.receiver: Any = None
+        self.telemetry_on = False
+        self.sync_on = True
+        self.hook_problems: list[str] = []
+        # launch_ts is time.monotonic(); the wire's ts is wall-clock seconds
+        self.wall_offset_s = time.time() - time.monotonic()
+        self._prev_launch: Optional[tuple[int, float]] = None
+        self._warned: set[str] = set()
+
+    # ---------------------------------------------------------------- start-up
+
+    def new_engine(self, candidate_steps: list[int]) -> EngineController:
+        """Called from SpecctlSpeculativeParams.__init__ (worker construction, after load_plugins
+        applied the hooks and after the TP group exists)."""
+        try:
+            self.tp_group = self.tp_group_fn()
+            self.rank = int(getattr(self.tp_group, "rank_in_group", 0))
+            self.world_size = int(getattr(self.tp_group, "world_size", 1))
+        except Exception as e:  # noqa: BLE001
+            self.tp_group, self.rank, self.world_size = None, 0, 1
+            self.warn_once(f"no TP group ({type(e).__name__}: {e}); running as a single rank")
+        eng = EngineController(self.settings, candidate_steps=candidate_steps, clock=self.clock,
+                               rank=self.rank, initial_policy=self.policy_file_bytes)
+        self.engine = eng
+        if self.rank == 0:
+            self._open_transport()
+        if self.timer is None and self.rank == 0 and self.telemetry_on:
+            self.timer = _default_timer()
+        self.check_hooks()
+        log.info("specctl: engine ready on TP rank %d/%d, mode %s, candidate steps %s, source %s%s",
+                 self.rank, self.world_size, self.settings.mode, sorted(eng.candidate_steps),
+                 eng.active_source, f" ({eng.fallback_reason})" if eng.fallback_reason else "")
+        return eng
+
+    def _open_transport(self) -> None:
+        s = self.settings
+        if s.telemetry_endpoint is None and (s.policy_endpoint is None or s.mode != "online"):
+            return
+        try:
+            from ..controller.transport import PolicyReceiver, TelemetrySender
+
+            if self.zmq_context is None:
+                import zmq
+
+                self.zmq_context = zmq.Context.instance()
+            if s.telemetry_endpoint is not None:
+                self.sender = TelemetrySender(self.zmq_context, s.telemetry_endpoint, hwm=s.telemetry_hwm)
+                self.telemetry_on = True
+            if s.policy_endpoint is not None and s.mode == "online":
+                self.receiver = PolicyReceiver(self.zmq_context, s.policy_endpoint)
+        except Exception as e:  # noqa: BLE001
+            self.sender = self.receiver = None
+            self.telemetry_on = False
+            self.warn_once(f"transport unavailable ({type(e).__name__}: {e}); no telemetry, no daemon policy")
+
+    def check_hooks(self) -> list[str]:
+        """SGLang only logs a hook it could not apply; say clearly which of ours are missing."""
+        try:
+            from sglang.srt.plugins.hook_registry import HookRegistry
+
+            patched = set(HookRegistry._patched)
+        except Exception as e:  # noqa: BLE001
+            patched = set()
+            self.hook_problems = [f"cannot read SGLang's hook registry: {e}"]
+        consequence = {
+            self.targets.policy: "specctl is not deciding anything (SGLang's own policy runs)",
+            self.targets.forward: "no CUDA-event step time; step_ms falls back to the launch cadence",
+            self.targets.result: ("no telemetry and no TP policy sync: the server stays on the "
+                                  "fixed-threshold fallback"),
+        }
+        self.hook_problems = [f"hook on {t} did not take effect: {why}"
+                              for t, why in consequence.items() if t not in patched]
+        for p in self.hook_problems:
+            log.error("specctl: %s (SGLang logged the cause above as 'Failed to apply hooks')", p)
+        if not self.hook_problems:
+            log.info("specctl: all %d hooks in place", len(consequence))
+        return self.hook_problems
+
+    # ---------------------------------------------------------------- per step
+
+    def on_forward(self, orig: Callable[..., Any], worker: Any, batch: Any, *args: Any, **kwargs: Any) -> Any:
+        timer = self.timer
+        mark = None
+        if timer is not None:
+            try:
+                if not (batch.forward_mode.is_extend() or batch.is_extend_in_batch):
+                    mark = timer.start()
+            except Exception as e:  # noqa: BLE001
+                self._disable_timing(e)
+        out = orig(worker, batch, *args, **kwargs)
+        if mark is not None:
+            try:
+                out._specctl_timing = timer.stop(mark)
+            except Exception as e:  # noqa: BLE001
+                self._disable_timing(e)
+        return out
+
+    def on_result(self, processor: Any, result: Any, batch: Any) -> None:
+        """Every rank, every decode result, in the same order (the scheduler is SPMD)."""
+        eng = self._engine_of(processor)
+        if eng is None:
+            return
+        at_boundary = eng.note_result()
+        if self.telemetry_on:
+            try:
+                self._send_step(eng, result, batch)
+            except Exception as e:  # noqa: BLE001 - telemetry is rank 0's alone: never touch decisions
+                self.telemetry_on = False
+                self.warn_once(f"telemetry off after an error: {type(e).__name__}: {e}")
+        if at_boundary and self.sync_on:
+            self._sync(eng)
+
+    def _send_step(self, eng: EngineController, result: Any, batch: Any) -> None:
+        timing = getattr(result, "_specctl_timing", None)
+        step_ms = self.timer.elapsed_ms(timing) if (timing is not None and self.timer is not None) else None
+        it, launch = batch.forward_iter, batch.launch_ts
+        prev, self._prev_launch = self._prev_launch, (it, launch)
+        if step_ms is None:
+            if prev is None or it != prev[0] + 1:
+                return  # no event and no contiguous cadence: nothing honest to report
+            step_ms = (launch - prev[1]) * 1000.0
+        if not step_ms > 0:
+            return
+        width = result.speculative_num_draft_tokens or 1
+        frame = eng.step_record(iter=it, ts=launch + self.wall_offset_s, batch_size=len(batch.reqs),
+                                draft_tokens=width, accepted=result.num_correct_drafts_per_req_cpu,
+                                step_ms=step_ms)
+        self.sender.send(frame)
+
+    def _sync(self, eng: EngineController) -> None:
+        if self.rank == 0 and self.receiver is not None:
+            try:
+                frame = self.receiver.poll()
+                if frame is not None:
+                    eng.offer_policy_frame(frame)
+            except Exception as e:  # noqa: BLE001
+                self.receiver = None
+                # rank 0 alone saw this: it reaches the other ranks through the broadcast below
+                eng.stage_fallback(f"policy intake failed: {type(e).__name__}: {e}")
+        try:
+            eng.sync(self._broadcast if self.world_size > 1 else None)
+        except Exception as e:  # noqa: BLE001
+            self.sync_on = False
+            eng.fail(f"TP policy broadcast failed: {type(e).__name__}: {e}")
+
+    def _broadcast(self, obj: Any) -> Any:
+        return self.tp_group.broadcast_object(obj, src=0)
+
+    # ---------------------------------------------------------------- helpers
+
+    def _engine_of(self, processor: Any) -> Optional[EngineController]:
+        ctl = getattr(processor.model_worker, "adaptive_controller", None)
+        if ctl is None:
+            self.warn_once("SGLang runs without an adaptive controller (launch with "
+                           "--speculative-adaptive; see `specctl sglang-args`): specctl is idle")
+            return None
+        eng = getattr(ctl.params, "specctl", None)
+        if eng is None:
+            self.warn_once(f"the adaptive policy is {type(ctl.params).__name__}, not specctl's: the "
+                           f"REPLACE hook on {self.targets.policy} did not take effect")
+        return eng
+
+    def _disable_timing(self, e: Exception) -> None:
+        self.timer = None
+        self.warn_once(f"step timing off after an error: {type(e).__name__}: {e}")
+
+    def warn_once(self, msg: str) -> None:
+        if msg not in self._warned:
+            self._warned.add(msg)
+            log.warning("specctl: %s", msg)
+
+    def close(self) -> None:
+        for s in (self.sender, self.receiver):
+            if s is not None:
+                s.close()
+        self.sender = self.receiver = None
+        self.telemetry_on = False
+
+
+def make_policy_class(base: type) -> type:
+    """The REPLACE for SGLang's AdaptiveSpeculativeParams: same constructor, same protocol
+    (candidate_steps, set_cuda_graph_bs, cuda_graph_bs_for_step, get_steps_for_batch,
+    on_verify_complete); decisions come from the EngineController."""
+
+    class SpecctlSpeculativeParams(base):  # type: ignore[misc, valid-type]
+        def __init__(self, initial_steps: int, cfg_path: Optional[str] = None):
+            super().__init__(initial_steps, cfg_path)
+            self.specctl: Optional[EngineController] = None
+            rt = _RUNTIME
+            if rt is None:
+                log.error("specctl: policy built without a plugin runtime; SGLang's policy decides")
+                return
+            try:
+                self.specctl = rt.new_engine(list(self.candidate_steps))
+            except Exception as e:  # noqa: BLE001
+                log.exception("specctl: engine start failed (%s); SGLang's policy decides", e)
+
+        def get_steps_for_batch(self, batch_size: int) -> int:
+            eng = self.specctl
+            if eng is None:
+                return super().get_steps_for_batch(batch_size)
+            return eng.decide(batch_size)
+
+        def on_verify_complete(self, num_correct_drafts_per_req: list[int], batch_size: int) -> Optional[int]:
+            if self.specctl is None:
+                return super().on_verify_complete(num_correct_drafts_per_req, batch_size)
+            return None  # never switch here: the next get_steps_for_batch decides
+
+        def cuda_graph_bs_for_step(self, step: int) -> Optional[list[int]]:
+            if self.specctl is None:
+                return super().cuda_graph_bs_for_step(step)
+            # the table may choose any built step at any batch size: capture graphs for all
+            cg = self._cuda_graph_bs
+            return None if cg is None else list(cg)
+
+    return SpecctlSpeculativeParams
+
+
+def install(settings: PluginSettings, *, targets: Targets = SGLANG_TARGETS,
+            policy_file_bytes: Optional[bytes] = None, **runtime_kw: Any) -> PluginRuntime:
+    """Register the three hooks with SGLang's HookRegistry (applied by load_plugins afterwards)."""
+    import pkgutil
+
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    global _RUNTIME
+    rt = PluginRuntime(settings, targets=targets, policy_file_bytes=policy_file_bytes, **runtime_kw)
+    _RUNTIME = rt
+    mod, name = targets.policy.rsplit(".", 1)
+    base = getattr(pkgutil.resolve_name(mod), name)
+    HookRegistry.register(targets.policy, make_policy_class(base), HookType.REPLACE)
+    HookRegistry.register(targets.forward, _around_forward, HookType.AROUND)
+    HookRegistry.register(targets.result, _after_resolve, HookType.AFTER)
+    return rt
+
+
+def runtime() -> Optional[PluginRuntime]:
+    return _RUNTIME
+
+
+def _around_forward(orig: Callable[..., Any], worker: Any, batch: Any, *args: Any, **kwargs: Any) -> Any:
+    rt = _RUNTIME
+    if rt is None or rt.timer is None:
+        return orig(worker, batch, *args, **kwargs)
+    return rt.on_forward(orig, worker, batch, *args, **kwargs)
+
+
+def _after_resolve(ret: Any, processor: Any, result: Any, batch: Any, *args: Any, **kwargs: Any) -> None:
+    rt = _RUNTIME
+    if rt is not None:
+        try:
+            rt.on_result(processor, result, batch)
+        except Exception as e:  # noqa: BLE001
+            rt.warn_once(f"result hook error: {type(e).__name__}: {e}")
+    return None  # keep SGLang's return value
+
+
+def _sglang_tp_group() -> Any:
+    from sglang.srt.distributed.parallel_state import get_tp_group
+
+    return get_tp_group()
+
+
+def _default_timer() -> Any:
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            return CudaEventTimer(torch)
+    except Exception:  # noqa: BLE001
+        pass
+    return CpuTimer()
