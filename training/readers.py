@@ -1,0 +1,764 @@
+"""Turn benchmark logs into cost-model `Sample`s: SGLang server logs, `sglang.bench_serving` result
+JSONL and specctl telemetry JSONL (plain or gzip). The format is detected per file; every file
+gets a `FileReport` (lines used / skipped by reason, with bounded line-numbered examples).
+
+Nothing in here raises on bad input: garbage lines, truncated or corrupt gzip streams and unknown
+formats end up in the report, and whatever could be read before the damage is kept.
+"""
+
+from __future__ import annotations
+
+import calendar
+import gzip
+import json
+import math
+import re
+import zlib
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterator, Optional, Sequence
+
+from ..controller import wire
+from .costmodel import Config, Sample
+
+OFF: Config = (0, 1, 1)
+FORMATS = ("telemetry", "sglang-log", "bench-serving")
+MAX_EXAMPLES = 5  # line-numbered examples kept per skip reason
+MAX_LINE_BYTES = 64 * 1024 * 1024  # a "line" longer than this is garbage, skipped unread
+DEFAULT_DECODE_LOG_INTERVAL = 40  # SGLang's --decode-log-interval default (0.5.17 and 0.5.23)
+_SNIFF_BYTES = 256 * 1024
+_EXCERPT = 160
+
+Progress = Callable[[int], None]  # called with the number of input bytes consumed since last call
+
+
+# ---------------------------------------------------------------------------------------------
+# report
+
+
+@dataclass
+class BenchPoint:
+    """One bench_serving run: what was measured, for 'best measured configuration' decisions."""
+
+    config: Config
+    concurrency: int
+    output_throughput: float  # tokens/s over the run, as bench_serving measured it
+    path: str
+    line: int
+
+
+@dataclass
+class FileReport:
+    path: str
+    format: str = "unknown"
+    num_lines: int = 0
+    num_used: int = 0  # lines that produced a sample (or a bench point)
+    num_samples: int = 0
+    num_ignored: int = 0  # lines that carry nothing for training (other log lines, blanks)
+    skipped: Counter = field(default_factory=Counter)  # reason -> lines
+    examples: dict[str, list[tuple[int, str]]] = field(default_factory=dict)
+    problems: list[str] = field(default_factory=list)  # file-level: unreadable, truncated, unknown
+    notes: list[str] = field(default_factory=list)
+    bench_points: list[BenchPoint] = field(default_factory=list)
+
+    def skip(self, line: int, reason: str, text: str = "", detail: str = "") -> None:
+        """Count a skipped line under a fixed `reason`; `detail` (this line's particulars) goes
+        with the example only, so reasons stay few."""
+        self.skipped[reason] += 1
+        ex = self.examples.setdefault(reason, [])
+        if len(ex) < MAX_EXAMPLES:
+            t = text.strip()
+            if detail:
+                t = f"[{detail}] {t}"
+            ex.append((line, t if len(t) <= _EXCERPT else t[:_EXCERPT] + "…"))
+
+    def note(self, text: str) -> None:
+        if text not in self.notes and len(self.notes) < 50:
+            self.notes.append(text)
+
+    @property
+    def num_skipped(self) -> int:
+        return sum(self.skipped.values())
+
+    def to_obj(self) -> dict[str, Any]:
+        return {
+            "path": self.path, "format": self.format, "lines": self.num_lines,
+            "used": self.num_used, "samples": self.num_samples, "ignored": self.num_ignored,
+            "skipped": dict(self.skipped),
+            "examples": {k: [list(e) for e in v] for k, v in self.examples.items()},
+            "problems": list(self.problems), "notes": list(self.notes),
+            "bench_points": len(self.bench_points),
+        }
+
+
+# ---------------------------------------------------------------------------------------------
+# raw lines (plain or gzip), with damage reported instead of raised
+
+
+def _open(path: Path):
+    raw = open(path, "rb")
+    if raw.read(2) == b"\x1f\x8b":
+        raw.seek(0)
+        return raw, gzip.GzipFile(fileobj=raw, mode="rb")
+    raw.seek(0)
+    return raw, raw
+
+
+def iter_lines(path: Path, report: FileReport, progress: Optional[Progress] = None
+               ) -> Iterator[tuple[int, str]]:
+    """(line number, text) for every line; gzip is detected by its magic bytes. A truncated or
+    corrupt gzip stream ends the file with a problem in the report, keeping what came before."""
+    lineno = 0
+    last_pos = 0
+    try:
+        raw, f = _open(path)
+    except OSError as e:
+        report.problems.append(f"cannot open: {e.strerror or e}")
+        return
+    try:
+        while True:
+            try:
+                chunk = f.readline(MAX_LINE_BYTES)
+            except (EOFError, gzip.BadGzipFile, zlib.error, OSError) as e:
+                where = f"after line {lineno}" if lineno else "before the first line"
+                kind = "truncated" if isinstance(e, EOFError) else "corrupt"
+                report.problems.append(f"gzip stream {kind} {where} ({type(e).__name__}: {e}); "
+                                       f"lines before it were used")
+                return
+            if not chunk:
+                return
+            lineno += 1
+            if len(chunk) >= MAX_LINE_BYTES and not chunk.endswith(b"\n"):
+                report.skip(lineno, "line_too_long", f"over {MAX_LINE_BYTES} bytes")
+                try:
+                    while True:  # drain the rest of that line
+                        more = f.readline(MAX_LINE_BYTES)
+                        if not more or more.endswith(b"\n"):
+                            break
+                except (EOFError, gzip.BadGzipFile, zlib.error, OSError):
+                    report.problems.append(f"gzip stream damaged inside line {lineno}")
+                    return
+                continue
+            if progress is not None and lineno % 512 == 0:
+                pos = raw.tell()
+                progress(pos - last_pos)
+                last_pos = pos
+            yield lineno, chunk.decode("utf-8", errors="replace").rstrip("\r\n")
+    finally:
+        report.num_lines = lineno
+        if progress is not None:
+            try:
+                pos = raw.tell()
+                progress(max(0, pos - last_pos))
+            except (OSError, ValueError):
+                pass
+        try:
+            f.close()
+            raw.close()
+        except OSError:
+            pass
+
+
+# ---------------------------------------------------------------------------------------------
+# format detection
+
+# SGLang's logging prefix: `[%(asctime)s{.ms}{ DPx PPy ATTN_CPz MOE_DPw TPv EPu}] msg`, optionally
+# behind a Ray actor tag `(SchedulerActor pid=123, ip=...)`. The rank tags' order changed between
+# versions (0.5.23: DP PP ATTN_CP MOE_DP TP EP), so any sequence of NAME<digits> tags is accepted.
+_PREFIX = re.compile(
+    r"^(?:\((?P<actor>\w+) pid=(?P<pid>\d+)(?:,\s*ip=[\d.]+)?\)\s*)?"
+    r"\[(?P<date>\d{4}-\d{2}-\d{2}) (?P<time>\d{2}:\d{2}:\d{2})(?:[.,](?P<frac>\d{1,6}))?"
+    r"(?P<tags>(?:\s+[A-Z][A-Z_]*\d+)*)\]\s?(?P<msg>.*)$"
+)
+
+
+def _json_obj(text: str) -> Optional[dict]:
+    t = text.strip()
+    if not t.startswith("{"):
+        return None
+    try:
+        obj = json.loads(t)
+    except ValueError:
+        return None
+    return obj if isinstance(obj, dict) else None
+
+
+def _is_bench(obj: dict) -> bool:
+    return "output_throughput" in obj and ("max_concurrency" in obj or "median_tpot_ms" in obj)
+
+
+def detect_format(path: Path) -> tuple[str, Optional[str]]:
+    """(format, problem): format is one of FORMATS or "unknown"; problem says why it is unknown."""
+    try:
+        raw, f = _open(path)
+    except OSError as e:
+        return "unknown", f"cannot open: {e.strerror or e}"
+    head = b""
+    try:
+        try:
+            while len(head) < _SNIFF_BYTES:
+                chunk = f.read(_SNIFF_BYTES - len(head))
+                if not chunk:
+                    break
+                head += chunk
+        except (EOFError, gzip.BadGzipFile, zlib.error, OSError) as e:
+            if not head:
+                return "unknown", f"not a readable gzip stream ({type(e).__name__}: {e})"
+    finally:
+        f.close()
+        raw.close()
+    if not head.strip():
+        return "unknown", "empty file"
+    votes: Counter = Counter()
+    lines = head.decode("utf-8", errors="replace").splitlines()
+    if len(head) >= _SNIFF_BYTES and len(lines) > 1:
+        lines = lines[:-1]  # the last one is probably cut by the sniff window
+    for text in lines[:400]:
+        if not text.strip():
+            continue
+        obj = _json_obj(text)
+        if obj is not None:
+            if obj.get("kind") in ("step", "policy"):
+                votes["telemetry"] += 1
+            elif _is_bench(obj):
+                votes["bench-serving"] += 1
+            continue
+        if _PREFIX.match(text) or "Decode batch, #running-req:" in text:
+            votes["sglang-log"] += 1
+    if not votes:
+        if len(lines) == 1 and lines[0].lstrip().startswith("{") and len(head) >= _SNIFF_BYTES:
+            # one huge JSON line (bench_serving --output-details): decide on its keys
+            if '"output_throughput"' in lines[0] and '"max_concurrency"' in lines[0]:
+                return "bench-serving", None
+        return "unknown", ("no SGLang log lines, bench_serving results or specctl telemetry "
+                           "records in the first lines")
+    return votes.most_common(1)[0][0], None
+
+
+# ---------------------------------------------------------------------------------------------
+# (c) specctl telemetry
+
+
+def read_telemetry(path: Path, report: FileReport, progress: Optional[Progress] = None
+                   ) -> Iterator[Sample]:
+    last_bad: Optional[int] = None
+    for lineno, text in iter_lines(path, report, progress):
+        if not text.strip():
+            report.num_ignored += 1
+            continue
+        try:
+            rec = wire.decode(text)
+        except wire.WireError as e:
+            report.skip(lineno, e.reason, text, detail=e.detail)
+            last_bad = lineno
+            continue
+        if isinstance(rec, wire.PolicyRecord):
+            report.num_ignored += 1
+            continue
+        report.num_used += 1
+        report.num_samples += 1
+        yield Sample.from_record(rec)
+    if last_bad is not None and last_bad == report.num_lines and not report.problems:
+        report.note(f"the last line ({last_bad}) is unparseable: the file may have been cut "
+                    f"while being written")
+
+
+# ---------------------------------------------------------------------------------------------
+# (a) SGLang server logs
+
+# report_decode_stats (managers/scheduler_components/metrics_reporter.py, 0.5.17 and 0.5.23):
+#   f"Decode batch{iter_msg}, #running-req: {n}, {token_usage_msg}"
+#   + (spec only) f"accept len: {x:.2f}, accept rate: {y:.2f}, " [+ "cap len: ..., " ...]
+#   + f"{cuda|cpu|npu|musa} graph: {bool}, gen throughput (token/s): {z:.2f}, #queue-req: {q}"
+#   [+ ", est. decode TFLOPS/s ..." | ", fwd occupancy: ..."]
+# `#queue-req` usually ends the line (SGLang's own debug_utils/log_parser.py regex wants a comma
+# after it, so it misses the default format); here anything may follow.
+_DECODE = re.compile(r"^Decode batch(?: \[(?P<iter>\d+)\])?, #running-req: (?P<running>\d+), (?P<rest>.*)$")
+_ACCEPT = re.compile(r"\baccept len: (?P<al>[-+0-9.eEinfa]+), accept rate: (?P<ar>[-+0-9.eEinfa]+)")
+_THROUGHPUT = re.compile(r"\bgen throughput \(token/s\): (?P<thr>[-+0-9.eEinfa]+)")
+_QUEUE = re.compile(r"#queue-req: (?P<q>\d+)")
+_GRAPH = re.compile(r"\b(?:cuda|cpu|npu|musa) graph: (?P<g>True|False)")
+_PREFILL = re.compile(r"^Prefill batch(?: \[\d+\])?, #new-seq: (?P<seqs>\d+), .*?#running-req: (?P<running>\d+)")
+# eagle_worker_v2.apply_runtime_state (0.5.17 and 0.5.23, rank 0):
+_SWITCH = re.compile(r"^Switch adaptive runtime state: steps (?P<a>\d+) -> (?P<b>\d+), "
+                     r"draft_tokens (?P<c>\d+) -> (?P<d>\d+)")
+# adaptive_spec_params.AdaptiveStepSlot (0.5.17 and 0.5.23, rank 0): a slot's decision; the
+# runtime switch that follows it logs the line above.
+_UPDATED = re.compile(r"^Adaptive spec params updated: steps (?P<a>\d+) -> (?P<b>\d+)")
+_BUILT = re.compile(r"^Built adaptive runtime state steps=(?P<s>\d+):")
+# 0.5.17: `server_args=ServerArgs(model_path='...', speculative_num_steps=3, ...)` (dataclass repr)
+# 0.5.23: `server_args={'model_path': '...', 'speculative_num_steps': 3, ...}` (resolved dict)
+_ARGS_PREFIX = "server_args="
+_MESSAGE_START = re.compile(r"(?:Decode batch|Prefill batch|Switch adaptive runtime state|"
+                            r"Adaptive spec params updated|Built adaptive runtime state|server_args=)")
+
+
+def _arg(text: str, name: str) -> Optional[str]:
+    m = re.search(r"[\s,({]'?" + re.escape(name) + r"'?\s*[=:]\s*('[^']*'|\"[^\"]*\"|[^,)}\s]+)", text)
+    if m is None:
+        return None
+    v = m.group(1).strip("'\"")
+    return None if v in ("None", "null") else v
+
+
+def _int_arg(text: str, name: str) -> Optional[int]:
+    v = _arg(text, name)
+    try:
+        return None if v is None else int(v)
+    except ValueError:
+        return None
+
+
+@dataclass
+class ServerArgs:
+    """The speculative settings found in a `server_args=` line."""
+
+    algorithm: Optional[str]
+    steps: Optional[int]
+    topk: Optional[int]
+    draft_tokens: Optional[int]
+    adaptive: bool
+    decode_log_interval: int
+
+    @property
+    def config(self) -> Optional[Config]:
+        if not self.algorithm:
+            return OFF
+        if self.steps is None:
+            return None
+        if self.steps == 0:
+            return OFF
+        topk = self.topk or 1
+        draft = self.draft_tokens
+        if draft is None or (topk == 1 and draft != self.steps + 1):
+            draft = self.steps + 1 if topk == 1 else draft
+        return None if draft is None else (self.steps, topk, draft)
+
+
+def parse_server_args(text: str) -> ServerArgs:
+    alg = _arg(text, "speculative_algorithm")
+    return ServerArgs(
+        algorithm=alg if alg and alg.upper() not in ("NONE",) else None,
+        steps=_int_arg(text, "speculative_num_steps"),
+        topk=_int_arg(text, "speculative_eagle_topk"),
+        draft_tokens=_int_arg(text, "speculative_num_draft_tokens"),
+        adaptive=(_arg(text, "speculative_adaptive") or "False") in ("True", "true"),
+        decode_log_interval=_int_arg(text, "decode_log_interval") or DEFAULT_DECODE_LOG_INTERVAL,
+    )
+
+
+def _float(s: str) -> Optional[float]:
+    try:
+        v = float(s)
+    except ValueError:
+        return None
+    return v if math.isfinite(v) else None
+
+
+def draft_widths_consistent(accept_len: float, accept_rate: float) -> Optional[tuple[float, float]]:
+    """Range of (draft_tokens - 1) that the 2-decimal `accept len` / `accept rate` pair allows.
+
+    SGLang prints accept len = tokens / request-steps and accept rate = correct drafts /
+    (request-steps x (draft_tokens_now - 1)), so (len - 1) / rate = draft_tokens_now - 1 whatever
+    mix of configurations the interval ran: it identifies the configuration active at the log
+    line, never whether the interval was mixed. None when the pair carries no information.
+    """
+    if accept_rate - 0.005 <= 0 or accept_len - 0.005 <= 1.0:
+        return None
+    lo = (accept_len - 0.005 - 1.0) / (accept_rate + 0.005)
+    hi = (accept_len + 0.005 - 1.0) / (accept_rate - 0.005)
+    return lo, hi
+
+
+def _infer_chain(al: float, ar: float) -> Optional[Config]:
+    rng = draft_widths_consistent(al, ar)
+    if rng is None:
+        return None
+    ks = [k for k in range(1, 65) if rng[0] - 1e-9 <= k <= rng[1] + 1e-9]
+    return (ks[0], 1, ks[0] + 1) if len(ks) == 1 else None
+
+
+@dataclass
+class _Stream:
+    """One scheduler's log stream (a prefix tag set): what ran since its last decode line."""
+
+    config: Optional[Config] = None
+    seen_decode: bool = False
+    segment: int = 0  # bumped at every configuration change (names the sample's run)
+    switches: list[str] = field(default_factory=list)  # switch lines since the last decode line
+    prefills: int = 0
+    idle: bool = False  # a prefill started from an empty running batch inside the interval
+    saw_switch_line: bool = False
+    before_hint: Optional[Config] = None  # the state before a 'params updated' hint was applied
+
+
+def _ts(m: re.Match) -> float:
+    try:
+        y, mo, d = (int(x) for x in m.group("date").split("-"))
+        h, mi, s = (int(x) for x in m.group("time").split(":"))
+        t = float(calendar.timegm((y, mo, d, h, mi, s, 0, 0, 0)))
+    except (ValueError, OverflowError):
+        return 0.0
+    frac = m.group("frac")
+    if frac:
+        t += int(frac) / 10 ** len(frac)
+    return max(0.0, t)
+
+
+def _rank(tags: str) -> int:
+    m = re.search(r"\bTP(\d+)", tags)
+    return int(m.group(1)) if m else 0
+
+
+def read_sglang_log(path: Path, report: FileReport, progress: Optional[Progress] = None, *,
+                    server: Optional[str] = None) -> Iterator[Sample]:
+    """Samples from `Decode batch` lines: one per log interval of `decode_log_interval` decode
+    steps, step_ms = 1000 x #running-req x accept_len / gen_throughput.
+
+    Which configuration ran comes from the `server_args=` line (static settings), then from
+    `Switch adaptive runtime state` / `Adaptive spec params updated` lines, else it is inferred
+    from accept len / accept rate. Intervals in which the configuration changed are dropped: their
+    accept len and step time mix two configurations (the accept-rate bias of
+    reference/sglang-integration.md §4). Also dropped: the first interval of a server (it spans
+    start-up) and intervals containing a prefill that started from an empty batch (idle time).
+    The overlap scheduler runs at most one batch of an interval with the previous configuration.
+    """
+    name = server or path.name
+    args: Optional[ServerArgs] = None
+    interval = DEFAULT_DECODE_LOG_INTERVAL
+    streams: dict[str, _Stream] = {}
+    epoch = 0
+    with_prefill = 0
+    inferred = 0
+
+    def stream(key: str) -> _Stream:
+        st = streams.get(key)
+        if st is None:
+            st = streams[key] = _Stream(config=args.config if args is not None else None)
+        return st
+
+    for lineno, text in iter_lines(path, report, progress):
+        m = _PREFIX.match(text)
+        if m is not None:
+            msg = m.group("msg")
+            key = f"{m.group('pid') or ''}{m.group('tags') or ''}".strip()
+            ts, rank = _ts(m), _rank(m.group("tags") or "")
+        else:
+            # a custom SGLANG_LOGGING_CONFIG_PATH format: find the message, no time or ranks
+            at = _MESSAGE_START.search(text)
+            if at is None:
+                report.num_ignored += 1
+                continue
+            msg, key, ts, rank = text[at.start():], "", 0.0, 0
+
+        if msg.startswith(_ARGS_PREFIX):
+            a = parse_server_args(msg)
+            if args is not None:
+                report.note(f"line {lineno}: another server_args line: a new server; "
+                            f"configuration tracking restarts")
+            args = a
+            interval = a.decode_log_interval
+            epoch += 1
+            streams.clear()
+            if a.config is None:
+                report.note(f"line {lineno}: server_args line without usable speculative settings")
+            report.note(f"line {lineno}: server settings: algorithm {a.algorithm or 'none'}, "
+                        f"steps {a.steps}, topk {a.topk}, draft tokens {a.draft_tokens}, "
+                        f"adaptive {a.adaptive}, decode_log_interval {a.decode_log_interval}")
+            report.num_ignored += 1
+            continue
+
+        sw = _SWITCH.match(msg)
+        if sw is not None:
+            st = stream(key)
+            a_, b_, c_, d_ = (int(sw.group(x)) for x in "abcd")
+            new: Config = OFF if b_ == 0 else (b_, 1, d_)
+            old: Config = OFF if a_ == 0 else (a_, 1, c_)
+            base = st.before_hint if st.before_hint is not None else st.config
+            st.before_hint = None
+            if base is not None and base != old:
+                report.note(f"line {lineno}: switch from steps {a_} but the tracked configuration "
+                            f"was steps {st.config[0]}")
+            st.config = new
+            st.segment += 1
+            st.switches.append(f"steps {a_} -> {b_}")
+            st.saw_switch_line = True
+            report.num_ignored += 1
+            continue
+
+        up = _UPDATED.match(msg)
+        if up is not None:
+            st = stream(key)
+            a_, b_ = int(up.group("a")), int(up.group("b"))
+            st.switches.append(f"steps {a_} -> {b_} (params updated)")
+            if not st.saw_switch_line:
+                # only the slot decision was logged: take it as the new state until a runtime
+                # switch line (authoritative, carries the draft width) says otherwise
+                if st.before_hint is None:
+                    st.before_hint = st.config
+                st.config = OFF if b_ == 0 else (b_, 1, b_ + 1)
+                st.segment += 1
+            report.num_ignored += 1
+            continue
+
+        pf = _PREFILL.match(msg)
+        if pf is not None:
+            st = stream(key)
+            st.prefills += 1
+            if int(pf.group("running")) == 0:
+                st.idle = True
+            report.num_ignored += 1
+            continue
+
+        if _BUILT.match(msg):
+            report.note(f"adaptive runtime state built for steps={_BUILT.match(msg).group('s')}")  # type: ignore[union-attr]
+            report.num_ignored += 1
+            continue
+
+        if not msg.startswith("Decode batch"):
+            report.num_ignored += 1
+            continue
+
+        d = _DECODE.match(msg)
+        st = stream(key)
+        first = not st.seen_decode
+        switches, prefills, idle = st.switches, st.prefills, st.idle
+        st.seen_decode = True
+        st.switches, st.prefills, st.idle = [], 0, False
+        if d is None:
+            report.skip(lineno, "unparseable decode line", text)
+            continue
+        rest = d.group("rest")
+        tm = _THROUGHPUT.search(rest)
+        if tm is None or _QUEUE.search(rest) is None:
+            report.skip(lineno, "truncated decode line (no gen throughput / #queue-req)", text)
+            continue
+        running = int(d.group("running"))
+        thr = _float(tm.group("thr"))
+        am = _ACCEPT.search(rest)
+        al = ar = None
+        if am is not None:
+            al, ar = _float(am.group("al")), _float(am.group("ar"))
+            if al is None or ar is None or al < 1.0 or ar < 0:
+                report.skip(lineno, "bad accept len / accept rate", text)
+                continue
+        if first:
+            report.skip(lineno, "first interval of a server (spans start-up and idle time)", text)
+            continue
+        if switches:
+            report.skip(lineno, "configuration changed inside the interval", text,
+                        detail=", ".join(switches[:3]) + (", …" if len(switches) > 3 else ""))
+            continue
+        if idle:
+            report.skip(lineno, "interval spans an idle period (a prefill started from an empty batch)",
+                        text)
+            continue
+        if running <= 0 or thr is None or thr <= 0:
+            report.skip(lineno, "no decode work in the interval (#running-req or throughput 0)", text)
+            continue
+
+        # the configuration that ran
+        cfg = st.config
+        if am is None:
+            if cfg is not None and cfg != OFF:
+                report.skip(lineno, "decode line without accept len while the configuration speculates",
+                            text)
+                continue
+            cfg = OFF  # SGLang prints no accept fields when speculation is off
+        else:
+            rng = draft_widths_consistent(al, ar)  # type: ignore[arg-type]
+            if cfg is None:
+                cfg = _infer_chain(al, ar)  # type: ignore[arg-type]
+                if cfg is None:
+                    report.skip(lineno, "configuration unknown (no server_args / switch lines, "
+                                "accept len and rate do not identify it)", text)
+                    continue
+                inferred += 1
+                st.config = cfg
+            elif rng is not None and not (rng[0] - 1e-9 <= cfg[2] - 1 <= rng[1] + 1e-9):
+                # the tracked state is wrong (a switch line went missing): trust the log line
+                report.skip(lineno, "accept len / accept rate contradict the tracked configuration",
+                            text, detail=f"tracked draft tokens {cfg[2]}")
+                st.config = _infer_chain(al, ar)  # type: ignore[arg-type]
+                st.segment += 1
+                continue
+            elif cfg == OFF and al > 1.005:  # type: ignore[operator]
+                report.skip(lineno, "accept len above 1 while the tracked configuration is off", text)
+                continue
+        tau = 1.0 if cfg == OFF else float(al)  # type: ignore[arg-type]
+        step_ms = 1000.0 * running * tau / thr
+        if prefills:
+            with_prefill += 1
+        report.num_used += 1
+        report.num_samples += 1
+        yield Sample(ts=ts, config=cfg, batch_size=running, step_ms=step_ms,
+                     weight=float(interval),
+                     mean_accepted=None if cfg == OFF else tau - 1.0,
+                     server=f"{name}#{epoch}.{key or '-'}.{st.segment}", rank=rank)
+    if args is None:
+        report.note("no server_args line: configurations come from switch lines or are inferred "
+                    f"from accept len / accept rate; decode_log_interval assumed {interval}")
+    if inferred:
+        report.note(f"{inferred} intervals: configuration inferred from accept len / accept rate "
+                    f"(assumes chains, topk 1)")
+    if with_prefill:
+        report.note(f"{with_prefill} used intervals contain prefill batches (their step time "
+                    f"includes prefill time; the per-batch median absorbs a minority of them)")
+
+
+# ---------------------------------------------------------------------------------------------
+# (b) sglang.bench_serving results
+
+
+def _bench_config(info: dict) -> tuple[Optional[Config], Optional[str]]:
+    """The speculative configuration a run used, from its `server_info`, or a reason why not."""
+    if "decode" in info and isinstance(info["decode"], list) and info["decode"]:
+        info = info["decode"][0]  # PD disaggregation: bench_serving itself reads decode[0]
+        if not isinstance(info, dict):
+            return None, "server_info.decode[0] is not an object"
+    alg = info.get("speculative_algorithm")
+    if alg in (None, "", "NONE", "None"):
+        return OFF, None
+    if info.get("speculative_adaptive"):
+        return None, "adaptive speculation: the configuration varied during the run"
+    steps = info.get("speculative_num_steps")
+    topk = info.get("speculative_eagle_topk") or 1
+    draft = info.get("speculative_num_draft_tokens")
+    if not isinstance(steps, int) or steps < 0:
+        return None, "server_info has no speculative_num_steps"
+    if steps == 0:
+        return OFF, None
+    if not isinstance(topk, int) or topk < 1:
+        return None, "bad speculative_eagle_topk"
+    if topk == 1:
+        draft = steps + 1
+    if not isinstance(draft, int) or draft < 2:
+        return None, "server_info has no speculative_num_draft_tokens"
+    return (steps, topk, draft), None
+
+
+def _num(obj: dict, key: str) -> Optional[float]:
+    v = obj.get(key)
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return None
+    v = float(v)
+    return v if math.isfinite(v) else None
+
+
+def read_bench_serving(path: Path, report: FileReport, progress: Optional[Progress] = None
+                       ) -> Iterator[Sample]:
+    """One sample per run: batch size = max_concurrency, step_ms = median TPOT x accept length
+    (tokens per step per request; 1 without speculation), weight = decode steps the run stands
+    for. Each run also gives a `BenchPoint` (its output throughput) for the table's
+    best-measured choice at every swept concurrency.
+
+    `accept_length` is SGLang's cumulative average since server start (`/server_info`), so a
+    server reused across runs reports a running mean.
+    """
+    for lineno, text in iter_lines(path, report, progress):
+        if not text.strip():
+            report.num_ignored += 1
+            continue
+        try:
+            obj = json.loads(text)
+        except ValueError:
+            report.skip(lineno, "not JSON", text)
+            continue
+        if not isinstance(obj, dict) or not _is_bench(obj):
+            report.skip(lineno, "not a bench_serving result", text)
+            continue
+        info = obj.get("server_info")
+        if not isinstance(info, dict):
+            report.skip(lineno, "no server_info (speculative settings unknown)", text)
+            continue
+        cfg, why = _bench_config(info)
+        if cfg is None:
+            report.skip(lineno, why or "unknown configuration", text)
+            continue
+        mc = obj.get("max_concurrency")
+        conc: Optional[int] = None
+        if isinstance(mc, int) and not isinstance(mc, bool) and mc > 0:
+            conc = mc
+        else:
+            measured = _num(obj, "concurrency")
+            if measured is not None and measured >= 1:
+                conc = int(round(measured))
+                report.note("runs without max_concurrency: batch size taken from the measured "
+                            "mean concurrency")
+        if conc is None:
+            report.skip(lineno, "no max_concurrency (and no measured concurrency)", text)
+            continue
+        thr = _num(obj, "output_throughput")
+        if thr is None or thr <= 0:
+            report.skip(lineno, "no output_throughput", text)
+            continue
+        report.bench_points.append(BenchPoint(cfg, conc, thr, str(path), lineno))
+        report.num_used += 1
+        tau = 1.0
+        if cfg != OFF:
+            al = _num(obj, "accept_length")
+            if al is None or al < 1.0:
+                report.note(f"line {lineno}: no accept_length: used for the measured-best choice "
+                            f"only, not for the cost model")
+                continue
+            tau = al
+        tpot = _num(obj, "median_tpot_ms")
+        if tpot is None or tpot <= 0:
+            report.note(f"line {lineno}: no median_tpot_ms: used for the measured-best choice only")
+            continue
+        out_tokens = _num(obj, "total_output_tokens") or 0.0
+        steps = max(1.0, out_tokens / (tau * conc))
+        report.num_samples += 1
+        yield Sample(ts=0.0, config=cfg, batch_size=conc, step_ms=tpot * tau, weight=steps,
+                     mean_accepted=None if cfg == OFF else tau - 1.0,
+                     # each run is its own measurement (no switch warm-up between runs)
+                     server=f"{path.name}#{lineno}", rank=0)
+
+
+# ---------------------------------------------------------------------------------------------
+# entry points
+
+_READERS = {"telemetry": read_telemetry, "sglang-log": read_sglang_log,
+            "bench-serving": read_bench_serving}
+
+
+def expand_inputs(inputs: Sequence[str | Path]) -> tuple[list[Path], list[FileReport]]:
+    """Files named, and the files inside directories named (sorted; hidden files and `.part`
+    files still being written are left out). Missing paths come back as problem reports."""
+    files: list[Path] = []
+    missing: list[FileReport] = []
+    for item in inputs:
+        p = Path(item)
+        if p.is_dir():
+            for q in sorted(p.rglob("*")):
+                if q.is_file() and not q.name.startswith(".") and not q.name.endswith(".part"):
+                    files.append(q)
+        elif p.is_file():
+            files.append(p)
+        else:
+            r = FileReport(path=str(p))
+            r.problems.append("no such file or directory" if not p.exists() else "not a regular file")
+            missing.append(r)
+    return files, missing
+
+
+def read_file(path: str | Path, report: Optional[FileReport] = None, *,
+              progress: Optional[Progress] = None, fmt: Optional[str] = None) -> Iterator[Sample]:
+    """Samples from one file of any supported format; `report` is filled as they are read."""
+    p = Path(path)
+    rep = report if report is not None else FileReport(path=str(p))
+    if fmt is None:
+        fmt, problem = detect_format(p)
+        if problem:
+            rep.problems.append(problem)
+    rep.format = fmt
+    reader = _READERS.get(fmt)
+    if reader is None:
+        if progress is not None:
+            try:
+                progress(p.stat().st_size)
+            except OSError:
+                pass
+        return iter(())
+    return reader(p, rep, progress)
