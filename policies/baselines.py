@@ -31,8 +31,11 @@ class PolicyName:
     kind: str
     config: Optional[str] = None
     threshold: Optional[int] = None
+    options: tuple[tuple[str, str], ...] = ()  # adaptive:key=value,... (controller settings)
 
     def __str__(self) -> str:
+        if self.options:
+            return self.kind + ":" + ",".join(f"{k}={v}" for k, v in self.options)
         if self.kind == "static":
             return f"static:{self.config}"
         if self.kind == "threshold":
@@ -43,10 +46,20 @@ class PolicyName:
 def parse_policy_name(text: str) -> PolicyName:
     """`off`, `static:<config>`, `threshold:<N>:<config>`, `sglang-ema`, `adaptive`, `oracle`.
 
+    `adaptive:key=value,...` overrides controller-service settings (experiments, e.g.
+    `adaptive:refit_interval_s=2`).
     <config> is a profile config name, `off`, `sN` (chain), `sNkKnD` or `steps,topk,draft_tokens`."""
     t = text.strip()
     head, _, rest = t.partition(":")
     kind = head.lower()
+    if kind == "adaptive" and rest:
+        opts = []
+        for part in rest.split(","):
+            k, eq, v = part.partition("=")
+            if not eq or not k.strip() or not v.strip():
+                raise ValueError(f"policy {text!r}: expected adaptive:key=value[,key=value...]")
+            opts.append((k.strip(), v.strip()))
+        return PolicyName("adaptive", options=tuple(opts))
     if kind in ("off", "sglang-ema", "adaptive", "oracle"):
         if rest:
             raise ValueError(f"policy {text!r}: {kind!r} takes no argument")

@@ -1,0 +1,412 @@
+"""`specctl bench sim`: every policy on one seeded workload, the searched best static and threshold
+baselines, the oracle ratio, a JSON record and a plot; plus `adaptive` — the real engine-side
+controller fed by the real daemon service, on the simulator's clock or over live ZeroMQ.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, Callable, Optional, Sequence
+
+import numpy as np
+
+from ..policies.baselines import PolicyName, build_baseline, parse_policy_name
+from ..policies.table import OFF, Config, config_name
+from .simulator import Profile, SimResult, Workload, simulate
+
+SEARCH_THRESHOLDS = (2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48, 64, 80, 96, 128, 192, 256)
+
+
+# ---------------------------------------------------------------------------------------------
+# adaptive: EngineController + ControllerService wired through the same frame bytes as the sockets
+
+
+def _chains(profile: Profile) -> dict[int, Config]:
+    return {c[0]: c for c in profile.configs if c[1] == 1}
+
+
+def _fallback_config(profile: Profile) -> Config:
+    spec = sorted(s for s in _chains(profile) if s > 0)
+    if not spec:
+        return OFF
+    lower = [s for s in spec if s <= 3]
+    return _chains(profile)[lower[-1] if lower else spec[0]]
+
+
+class AdaptivePolicy:
+    """`adaptive`: the plugin's EngineController deciding, the daemon's ControllerService learning,
+    in-process on virtual time. Telemetry leaves the engine as the frame bytes it would PUSH; the
+    service's published policies come back as the frame bytes it would PUB; the service ticks every
+    `tick_s` (the daemon's poll period)."""
+
+    uses_truth = False
+
+    def __init__(self, profile: Profile, *, name: str = "adaptive", tick_s: float = 0.05,
+                 service_overrides: Optional[dict[str, Any]] = None,
+                 plugin_overrides: Optional[dict[str, Any]] = None):
+        from ..controller import wire
+        from ..controller.service import ControllerService, ServiceSettings
+        from ..plugin.engine import EngineController, PluginSettings
+
+        self.name = name
+        self._wire = wire
+        self.now = 0.0
+        self.tick_s = tick_s
+        self._next_tick = 0.0
+        self._iter = 0
+        chains = _chains(profile)
+        self._config_for_steps = chains
+        fb = _fallback_config(profile)
+        self.service = ControllerService(
+            ServiceSettings(candidates=tuple(chains.values()), fixed_config=fb, **(service_overrides or {})),
+            clock=self._clock)
+        self.engine = EngineController(
+            PluginSettings(mode="online", telemetry_endpoint="sim://", policy_endpoint="sim://",
+                           fallback_config=fb, **(plugin_overrides or {})),
+            candidate_steps=chains.keys(), clock=self._clock)
+        self.num_policies = 0
+        self.versions: list[tuple[float, int]] = []
+        self._tick()
+
+    def _clock(self) -> float:
+        return self.now
+
+    def _tick(self) -> None:
+        pol = self.service.tick()
+        if pol is not None:
+            self.engine.offer_policy_frame(self._wire.encode(pol))
+            if not self.versions or self.versions[-1][1] != pol.version:
+                self.versions.append((self.now, pol.version))
+        self._next_tick = self.now + self.tick_s
+
+    def decide(self, batch_size: int) -> Config:
+        return self._config_for_steps[self.engine.decide(batch_size)]
+
+    def observe(self, batch_size: int, config: Config, accepted: Any, step_ms: float, now_s: float) -> None:
+        self.now = now_s
+        frame = self.engine.step_record(
+            iter=self._iter, ts=now_s, batch_size=batch_size, draft_tokens=config[2],
+            accepted=accepted.tolist() if config[0] > 0 else None, step_ms=step_ms)
+        self._iter += 1
+        self.service.observe_frame(frame)
+        if self.engine.note_result():
+            self.engine.sync(None)
+        if now_s >= self._next_tick:
+            self._tick()
+
+
+class LiveAdaptivePolicy:
+    """`adaptive` against a running `specctl serve`: telemetry PUSHed, policies SUBscribed, on the
+    wall clock (the simulator paces itself to it)."""
+
+    uses_truth = False
+
+    def __init__(self, profile: Profile, telemetry_endpoint: str, policy_endpoint: str, *,
+                 name: str = "adaptive-live", clock: Callable[[], float] = time.time,
+                 on_policy: Optional[Callable[[Any], None]] = None):
+        import zmq
+
+        from ..controller import transport, wire
+        from ..plugin.engine import EngineController, PluginSettings
+
+        self.name = name
+        self._wire = wire
+        self._clock = clock
+        chains = _chains(profile)
+        self._config_for_steps = chains
+        self._ctx = zmq.Context()
+        self.sender = transport.TelemetrySender(self._ctx, telemetry_endpoint)
+        self.receiver = transport.PolicyReceiver(self._ctx, policy_endpoint)
+        self.engine = EngineController(
+            PluginSettings(mode="online", telemetry_endpoint=telemetry_endpoint,
+                           policy_endpoint=policy_endpoint, fallback_config=_fallback_config(profile)),
+            candidate_steps=chains.keys(), clock=clock)
+        self.on_policy = on_policy
+        self._iter = 0
+        self.num_frames = 0
+
+    def decide(self, batch_size: int) -> Config:
+        return self._config_for_steps[self.engine.decide(batch_size)]
+
+    def observe(self, batch_size: int, config: Config, accepted: Any, step_ms: float, now_s: float) -> None:
+        frame = self.engine.step_record(
+            iter=self._iter, ts=self._clock(), batch_size=batch_size, draft_tokens=config[2],
+            accepted=accepted.tolist() if config[0] > 0 else None, step_ms=step_ms)
+        self._iter += 1
+        self.sender.send(frame)
+        pol = self.receiver.poll()
+        if pol is not None:
+            self.num_frames += 1
+            self.engine.offer_policy_frame(pol)
+            if self.on_policy is not None:
+                try:
+                    self.on_policy(self._wire.decode_policy(pol))
+                except self._wire.WireError:
+                    pass
+        if self.engine.note_result():
+            self.engine.sync(None)
+
+    def close(self) -> None:
+        self.sender.close()
+        self.receiver.close()
+        self._ctx.term()
+
+
+# ---------------------------------------------------------------------------------------------
+# policies by name
+
+
+def make_policy(name: str | PolicyName, profile: Profile) -> Any:
+    pn = parse_policy_name(name) if isinstance(name, str) else name
+    if pn.kind == "adaptive":
+        return AdaptivePolicy(profile, name=str(pn), service_overrides=service_overrides(pn.options))
+    return build_baseline(pn, profile.config_names, profile.configs, profile.step_ms_all)
+
+
+def service_overrides(options: Sequence[tuple[str, str]]) -> dict[str, Any]:
+    """`adaptive:key=value` options as typed ServiceSettings fields."""
+    import dataclasses
+
+    from ..controller.service import ServiceSettings
+
+    fields = {f.name: f for f in dataclasses.fields(ServiceSettings)}
+    out: dict[str, Any] = {}
+    for k, v in options:
+        f = fields.get(k)
+        if f is None or k in ("candidates", "fixed_config", "mode"):
+            allowed = sorted(n for n in fields if n not in ("candidates", "fixed_config", "mode"))
+            raise ValueError(f"adaptive option {k!r} is not a controller setting; one of: {', '.join(allowed)}")
+        default = f.default
+        try:
+            out[k] = type(default)(v) if default is not None and not isinstance(default, bool) else (
+                v.lower() in ("1", "true", "yes") if isinstance(default, bool) else float(v))
+        except ValueError:
+            raise ValueError(f"adaptive option {k}={v!r}: expected a {type(default).__name__}") from None
+    return out
+
+
+def default_policy_names(profile: Profile) -> list[str]:
+    """off, every static config, sglang-ema, adaptive, oracle (searched baselines are added apart)."""
+    names = ["off"] if profile.off_index is not None else []
+    names += [f"static:{n}" for n, c in zip(profile.config_names, profile.configs) if c[0] > 0]
+    names += ["sglang-ema", "adaptive", "oracle"]
+    return names
+
+
+def _run_one(args: tuple[str, Profile, Workload, Optional[int]]) -> SimResult:
+    name, profile, workload, seed = args
+    return simulate(profile, workload, make_policy(name, profile), seed=seed)
+
+
+def run_many(names: Sequence[str], profile: Profile, workload: Workload, *, seed: Optional[int] = None,
+             jobs: int = 1) -> list[SimResult]:
+    for n in names:
+        pn = parse_policy_name(n)  # fail on a bad name before any simulation
+        if pn.kind in ("static", "threshold", "off"):
+            make_policy(pn, profile)
+        elif pn.kind == "adaptive":
+            service_overrides(pn.options)
+    work = [(n, profile, workload, seed) for n in names]
+    if jobs > 1 and len(work) > 1:
+        with ProcessPoolExecutor(max_workers=jobs) as ex:
+            return list(ex.map(_run_one, work))
+    return [_run_one(w) for w in work]
+
+
+@dataclass
+class SearchResult:
+    best_static: Optional[SimResult]
+    best_threshold: Optional[SimResult]
+    num_simulated: int
+
+
+def search_baselines(profile: Profile, workload: Workload, known: dict[str, SimResult], *,
+                     seed: Optional[int] = None, jobs: int = 1) -> SearchResult:
+    """Best single static config (off included) and best `threshold:N:config` by simulation.
+
+    Thresholds are only distinct where N falls inside the batch sizes the workload reaches
+    (elsewhere they equal off or a static), so N is searched over SEARCH_THRESHOLDS inside that
+    range, for the two best speculative statics."""
+    statics = [n for n in default_policy_names(profile) if n == "off" or n.startswith("static:")]
+    todo = [n for n in statics if n not in known]
+    done = dict(known)
+    for n, r in zip(todo, run_many(todo, profile, workload, seed=seed, jobs=jobs)):
+        done[n] = r
+    ran = len(todo)
+    best_static = max((done[n] for n in statics), key=lambda r: r.tokens_per_s, default=None)
+    best_thr = None
+    if profile.off_index is not None:
+        bs = np.concatenate([r.trace_bs for r in done.values() if len(r.trace_bs)]) if done else np.array([1])
+        lo, hi = int(bs.min()), int(bs.max())
+        spec = sorted((n for n in statics if n != "off"), key=lambda n: -done[n].tokens_per_s)[:2]
+        cands = [f"threshold:{N}:{n.split(':', 1)[1]}" for n in spec for N in SEARCH_THRESHOLDS if lo < N <= hi]
+        cands = [c for c in cands if c not in done]
+        for n, r in zip(cands, run_many(cands, profile, workload, seed=seed, jobs=jobs)):
+            done[n] = r
+        ran += len(cands)
+        # a threshold at or below the smallest batch is `off`; above the largest, the static
+        pool = [r for n, r in done.items() if n.startswith("threshold:")]
+        pool += [_relabel(done[n], f"threshold:{hi + 1}:{n.split(':', 1)[1]}") for n in spec]
+        if "off" in done:
+            pool.append(_relabel(done["off"], f"threshold:1:{spec[0].split(':', 1)[1]}" if spec else "off"))
+        best_thr = max(pool, key=lambda r: r.tokens_per_s, default=None)
+    return SearchResult(best_static, best_thr, ran)
+
+
+def _relabel(r: SimResult, name: str) -> SimResult:
+    return replace(r, policy=name)
+
+
+# ---------------------------------------------------------------------------------------------
+# the benchmark
+
+
+@dataclass
+class BenchReport:
+    profile: str
+    workload: str
+    seed: int
+    results: list[SimResult]
+    labels: list[str]  # what each result is (e.g. "best static" for a searched one)
+    num_simulated: int
+    wall_s: float
+
+    def oracle(self) -> Optional[SimResult]:
+        return next((r for r in self.results if r.policy == "oracle"), None)
+
+    def to_obj(self) -> dict[str, Any]:
+        orc = self.oracle()
+        out = []
+        for r, label in zip(self.results, self.labels):
+            s = r.summary()
+            s["oracle_ratio"] = r.tokens_per_s / orc.tokens_per_s if orc else None
+            if label:
+                s["label"] = label
+            if orc:
+                for ph, oph in zip(s["phases"], orc.summary()["phases"]):
+                    ph["oracle_ratio"] = ph["tokens_per_s"] / oph["tokens_per_s"] if oph["tokens_per_s"] else None
+            out.append(s)
+        return {"kind": "bench-sim", "profile": self.profile, "workload": self.workload, "seed": self.seed,
+                "num_simulated": self.num_simulated, "wall_s": round(self.wall_s, 2), "results": out}
+
+
+def run_bench(profile: Profile, workload: Workload, policies: Optional[Sequence[str]] = None, *,
+              seed: Optional[int] = None, search: Optional[bool] = None, jobs: int = 1,
+              progress: Optional[Callable[[str], None]] = None) -> BenchReport:
+    """Run the named policies (default: all, plus the searched best static and best threshold);
+    the oracle is always run, as the ratio's denominator."""
+    t0 = time.perf_counter()
+    names = list(policies) if policies else default_policy_names(profile)
+    if "oracle" not in names:
+        names.append("oracle")
+    search = (not policies) if search is None else search
+    if progress:
+        progress(f"simulating {len(names)} policies on {workload.name} / {profile.name}")
+    res = run_many(names, profile, workload, seed=seed, jobs=jobs)
+    by_name = dict(zip(names, res))
+    labels = [""] * len(res)
+    n_sim = len(res)
+    if search:
+        if progress:
+            progress("searching the best static configuration and the best tuned threshold")
+        sr = search_baselines(profile, workload, by_name, seed=seed, jobs=jobs)
+        n_sim += sr.num_simulated
+        if sr.best_static is not None:
+            res.append(_relabel(sr.best_static, f"best-static={sr.best_static.policy}"))
+            labels.append("best static config (search)")
+        if sr.best_threshold is not None:
+            res.append(_relabel(sr.best_threshold, f"best-threshold={sr.best_threshold.policy}"))
+            labels.append("best tuned threshold (search)")
+    return BenchReport(profile.name, workload.name, workload.seed if seed is None else seed, res, labels,
+                       n_sim, time.perf_counter() - t0)
+
+
+def format_report(rep: BenchReport) -> str:
+    obj = rep.to_obj()
+    rows = obj["results"]
+    w = max(12, max(len(r["policy"]) for r in rows))
+    lines = [f"profile {rep.profile} · workload {rep.workload} · seed {rep.seed} · "
+             f"{rep.num_simulated} simulations in {rep.wall_s:.1f} s", ""]
+    hdr = f"{'policy':<{w}}  {'tok/s':>9}  {'x oracle':>8}  {'TPOT ms':>8}  {'p99 ms':>8}"
+    lines += [hdr, "-" * len(hdr)]
+
+    def f(x: Optional[float], fmt: str) -> str:
+        return format(x, fmt) if x is not None else "-"
+
+    for r in rows:
+        lines.append(f"{r['policy']:<{w}}  {r['tokens_per_s']:>9.1f}  {f(r['oracle_ratio'], '.3f'):>8}  "
+                     f"{f(r['mean_tpot_ms'], '.2f'):>8}  {f(r['p99_tpot_ms'], '.2f'):>8}")
+    phases = rows[0]["phases"]
+    if len(phases) > 1:
+        lines += ["", "per phase: tok/s (x oracle)"]
+        pw = 16
+        lines.append(f"{'policy':<{w}}  " + "  ".join(f"{p['name'][:pw]:>{pw}}" for p in phases))
+        for r in rows:
+            cells = [f"{p['tokens_per_s']:.0f} ({f(p.get('oracle_ratio'), '.2f')})" for p in r["phases"]]
+            lines.append(f"{r['policy']:<{w}}  " + "  ".join(f"{c:>{pw}}" for c in cells))
+    return "\n".join(lines)
+
+
+def write_json(rep: BenchReport, path: str | Path, extra: Optional[dict[str, Any]] = None) -> None:
+    obj = rep.to_obj()
+    if extra:
+        obj.update(extra)
+    Path(path).write_text(json.dumps(obj, indent=1) + "\n")
+
+
+def plot(results: Sequence[SimResult], path: str | Path, title: str = "") -> None:
+    """Decisions (mean draft steps) and throughput over time, one line per policy."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise RuntimeError("plotting needs matplotlib: pip install 'specctl[plot]'") from None
+    if not results:
+        raise ValueError("nothing to plot")
+    dur = results[0].duration_s
+    nbins = int(min(240, max(20, dur)))
+    edges = np.linspace(0.0, dur, nbins + 1)
+    mid = 0.5 * (edges[1:] + edges[:-1])
+    width = edges[1] - edges[0]
+    fig, (ax1, ax2, ax3) = plt.subplots(3, 1, figsize=(11, 8.5), sharex=True,
+                                        gridspec_kw={"height_ratios": [3, 2, 1.2]})
+    for r in results:
+        idx = np.clip(np.searchsorted(edges, r.trace_t, side="right") - 1, 0, nbins - 1)
+        tok = np.bincount(idx, weights=r.trace_tokens, minlength=nbins) / width
+        steps_arr = np.array(r.config_steps)[r.trace_cfg]
+        cnt = np.bincount(idx, minlength=nbins)
+        mean_steps = np.where(cnt > 0, np.bincount(idx, weights=steps_arr, minlength=nbins) / np.maximum(cnt, 1), np.nan)
+        style = {"lw": 2.2, "color": "black", "ls": ":" if "live" in r.policy else "-"} if r.policy.startswith("adaptive") else (
+            {"lw": 1.0, "ls": "--", "color": "grey"} if r.policy == "oracle" else {"lw": 1.0})
+        ax1.plot(mid, tok, label=f"{r.policy} ({r.tokens_per_s:.0f} tok/s)", **style)
+        ax2.plot(mid, mean_steps, **style)
+    r0 = results[0]
+    idx = np.clip(np.searchsorted(edges, r0.trace_t, side="right") - 1, 0, nbins - 1)
+    cnt = np.bincount(idx, minlength=nbins)
+    ax3.plot(mid, np.where(cnt > 0, np.bincount(idx, weights=r0.trace_bs, minlength=nbins) / np.maximum(cnt, 1), np.nan),
+             color="tab:purple")
+    ax1.set_ylabel("output tokens/s")
+    ax1.legend(fontsize=7, ncol=2, loc="best")
+    ax2.set_ylabel("draft steps\n(mean per step)")
+    ax3.set_ylabel(f"batch size\n({r0.policy})")
+    ax3.set_xlabel("virtual time (s)")
+    ends = np.cumsum([p.duration_s for p in r0.phases])[:-1]
+    for ax in (ax1, ax2, ax3):
+        for e in ends:
+            ax.axvline(e, color="lightgrey", lw=0.8, zorder=0)
+        ax.grid(alpha=0.3)
+    fig.suptitle(title or f"{r0.workload} on {r0.profile}")
+    fig.tight_layout()
+    fig.savefig(str(path), dpi=110)
+    plt.close(fig)
+
+
+def config_label(profile: Profile, config: Config) -> str:
+    i = profile.index_of(config)
+    return profile.config_names[i] if i is not None else config_name(config)
