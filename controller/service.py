@@ -219,11 +219,14 @@ class ControllerService:
                                     margin=self.settings.margin, explore=explore,
                                     explore_period=self.settings.explore_period)
             source = "online"
+        elif self.policy.source == "online":
+            # A learned table outlives a thin window (e.g. right after a restart): keep it
+            # until the evidence says otherwise; engines still fall back if it goes stale.
+            table, source = current, "online"
         else:
-            base = current if self.policy.source != "online" else self.fallback
-            table = PolicyTable(rows=base.rows, explore=explore,
+            table = PolicyTable(rows=current.rows, explore=explore,
                                 explore_period=self.settings.explore_period if explore else 0)
-            source = self.policy.source if self.policy.source != "online" else "fixed"
+            source = self.policy.source
         changed = (table.rows != current.rows or table.explore != current.explore
                    or source != self.policy.source)
         self.num_refits += 1
@@ -232,6 +235,7 @@ class ControllerService:
             self.policy = self._record(table, version=self.policy.version + 1, source=source,
                                        options=options)
             self._persist_policy()
+            self.persist_model()  # the model that produced this version, kept alongside it
             self._dirty = True
             self._update_policy_metrics()
         else:

@@ -1,0 +1,159 @@
+"""The daemon over real ZeroMQ sockets: in-process for the socket behaviour, and `specctl serve`
+as a subprocess for kill/restart and the CLI round trip."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import zmq
+
+from specctl.controller import transport, wire
+from specctl.controller.daemon import Daemon, Endpoints, wait_for_status
+from specctl.controller.service import ControllerService, ServiceSettings
+from specctl.policies.table import PolicyTable
+from specctl.training.synth import generate, truth_with_crossover
+
+CLI = [sys.executable, "-m", "specctl.controller.cli"]
+
+
+@pytest.fixture
+def inproc_daemon(zctx, endpoints):
+    svc = ControllerService(ServiceSettings(refit_interval_s=0.2, heartbeat_s=0.2))
+    d = Daemon(svc, Endpoints(endpoints["telemetry"], endpoints["publish"], endpoints["status"]), ctx=zctx)
+    th = threading.Thread(target=d.run, daemon=True)
+    th.start()
+    wait_for_status(zctx, endpoints["status"])
+    yield d
+    d.stop_event.set()
+    th.join(5)
+
+
+def _wait(pred, timeout=10.0):
+    t = time.monotonic()
+    while time.monotonic() - t < timeout:
+        if pred():
+            return True
+        time.sleep(0.02)
+    return False
+
+
+def test_garbage_is_counted_and_the_daemon_stays_up(inproc_daemon, zctx, endpoints):
+    sender = transport.TelemetrySender(zctx, endpoints["telemetry"])
+    assert _wait(lambda: sender.send(b"probe"))  # connection established
+    good = [json.dumps(r).encode() for r in generate(truth_with_crossover(5), num_steps=50, batch_sizes=[1, 2, 3])]
+    rnd = [os.urandom(n) for n in (0, 1, 7, 100, 5000)]
+    hostile = rnd + [g[: len(g) // 2] for g in good[:5]] + [
+        b'{"kind":"step","schema":2}', b'{"kind":"step","schema":1,"batch_size":-1}',
+        json.dumps({**json.loads(good[0]), "step_ms": 1e300}).encode(),
+        json.dumps({**json.loads(good[0]), "batch_size": 10**9}).encode(),
+        b'[' * 100000, json.dumps({**json.loads(good[1]), "accepted": [99] * 3}).encode(),
+    ]
+    for f in hostile + good:
+        sender.send(f)
+    svc = inproc_daemon.service
+    assert _wait(lambda: svc.model.num_samples_ == len(good))
+    st = transport.status_request(zctx, endpoints["status"], {"cmd": "status"})
+    assert sum(st["rejected"].values()) == len(hostile) + 1  # + the probe
+    assert svc.metrics.value("specctl_records_rejected_total", {"reason": "bad_json"}) >= 5
+    # the status socket survives bad requests too
+    assert "error" in transport.status_request(zctx, endpoints["status"], {"cmd": "nope"})
+    assert transport.status_request(zctx, endpoints["status"], {"cmd": "ping"}) == {"kind": "pong"}
+
+
+def test_policy_reaches_a_conflating_subscriber(inproc_daemon, zctx, endpoints):
+    rx = transport.PolicyReceiver(zctx, endpoints["publish"])
+    frame = rx.wait(3000)
+    assert frame is not None
+    pol = wire.decode_policy(frame)
+    assert pol.version >= 1
+    # telemetry that moves the crossover produces a newer version on the same subscription
+    sender = transport.TelemetrySender(zctx, endpoints["telemetry"])
+    recs = [json.dumps(r).encode() for r in generate(truth_with_crossover(30), num_steps=6000,
+                                                    batch_sizes=list(range(1, 70)), t0=time.time() - 100)]
+    sent = 0
+    while sent < len(recs):
+        if sender.send(recs[sent]):
+            sent += 1
+    def newer():
+        f = rx.poll()
+        return f is not None and wire.decode_policy(f).source == "online"
+    assert _wait(newer, 10)
+
+
+def test_engine_side_send_never_blocks_without_a_daemon(zctx, tmp_path):
+    sender = transport.TelemetrySender(zctx, f"ipc://{tmp_path}/nobody.sock", hwm=10)
+    t = time.perf_counter()
+    for _ in range(10000):
+        sender.send(b"x" * 200)
+    assert sender.num_dropped == 10000 and sender.num_sent == 0
+    assert time.perf_counter() - t < 5  # 10k non-blocking attempts, not 10k timeouts
+
+
+def _replay_truth(tmp_path, crossover, n=16000):
+    path = tmp_path / f"rec-{crossover}.jsonl"
+    with open(path, "w") as f:
+        for r in generate(truth_with_crossover(crossover), num_steps=n,
+                          batch_sizes=list(range(1, int(crossover * 2) + 12)), seed=crossover,
+                          t0=time.time() - 3600):
+            f.write(json.dumps(r) + "\n")
+    return path
+
+
+@pytest.mark.parametrize("crossover", [3, 12, 45, 100])
+def test_serve_replay_show_recovers_crossover(serve, zctx, endpoints, tmp_path, crossover):
+    refit = 0.5
+    p = serve("--refit-interval", str(refit), "--heartbeat", "0.5")
+    path = _replay_truth(tmp_path, crossover)
+    out = subprocess.run(CLI + ["replay", str(path), "--to", endpoints["telemetry"]],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "sent 16000 records" in out.stdout
+    assert _wait(lambda: p.status(zctx)["records_in"] == 16000, 60)
+    time.sleep(2 * refit + 0.2)
+    show = subprocess.run(CLI + ["policy", "show", "--json", "--endpoint", endpoints["status"]],
+                          capture_output=True, text=True, timeout=30)
+    assert show.returncode == 0, show.stderr
+    pol = wire.policy_from_obj(json.loads(show.stdout))
+    got = PolicyTable.from_policy_obj(wire.to_obj(pol)).spec_off_crossover()
+    assert pol.source == "online"
+    assert abs(got - crossover) <= 0.15 * crossover + 0.5, (got, crossover)
+    text = subprocess.run(CLI + ["policy", "show", "--endpoint", endpoints["status"]],
+                          capture_output=True, text=True, timeout=30).stdout
+    assert f"policy v{pol.version}" in text and "off" in text and "s3" in text
+
+
+def test_sigkill_and_restart_keep_version_and_table(serve, zctx, endpoints, tmp_path):
+    p = serve("--refit-interval", "0.3")
+    path = _replay_truth(tmp_path, 20, n=8000)
+    subprocess.run(CLI + ["replay", str(path), "--to", endpoints["telemetry"]], check=True,
+                   capture_output=True, timeout=120)
+    assert _wait(lambda: p.status(zctx)["policy"]["source"] == "online", 30)
+    time.sleep(1.0)
+    before = p.status(zctx, "policy")
+    p.kill(signal.SIGKILL)
+    p2 = serve("--refit-interval", "0.3")
+    after = p2.status(zctx, "policy")
+    assert after["version"] == before["version"] and after["table"] == before["table"]
+    shown = subprocess.run(CLI + ["policy", "show", "--json", "--state-dir", str(tmp_path / "state")],
+                           capture_output=True, text=True, timeout=30)
+    assert json.loads(shown.stdout)["version"] == before["version"]
+
+
+def test_serve_refuses_public_tcp_without_keys(tmp_path):
+    out = subprocess.run(CLI + ["serve", "--telemetry", "tcp://0.0.0.0:0", "--publish", f"ipc://{tmp_path}/p",
+                                "--status", f"ipc://{tmp_path}/s", "--state-dir", str(tmp_path / "st")],
+                         capture_output=True, text=True, timeout=30)
+    assert out.returncode != 0
+    assert "reachable from other hosts" in out.stderr and "--insecure" in out.stderr
+
+
+def test_policy_show_reports_bad_files_clearly(tmp_path):
+    bad = tmp_path / "p.json"
+    bad.write_text('{"kind": "policy", "schema": 1, "version": 1')
+    out = subprocess.run(CLI + ["policy", "show", "--file", str(bad)], capture_output=True, text=True, timeout=30)
+    assert out.returncode == 1 and "not a valid policy" in out.stderr and "Traceback" not in out.stderr

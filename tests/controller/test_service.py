@@ -1,0 +1,152 @@
+import json
+
+import pytest
+
+from specctl.controller import wire
+from specctl.controller.service import ControllerService, ServiceSettings
+from specctl.controller.state import StateStore
+from specctl.policies.table import PolicyTable
+from specctl.training.synth import generate, truth_with_crossover
+
+
+class Clock:
+    def __init__(self, t=1_764_441_600.0):
+        self.t = t
+
+    def __call__(self):
+        return self.t
+
+
+def feed(svc, clock, truth, n, bs, seed=0):
+    for r in generate(truth, num_steps=n, batch_sizes=bs, seed=seed, t0=clock.t):
+        clock.t = r["ts"]
+        assert svc.observe_frame(json.dumps(r).encode())
+
+
+def table(svc):
+    return PolicyTable.from_policy_obj(wire.to_obj(svc.policy))
+
+
+def test_starts_with_fixed_fallback_and_publishes_it_once_then_heartbeats():
+    clock = Clock()
+    svc = ControllerService(ServiceSettings(heartbeat_s=2.0), clock=clock)
+    first = svc.tick()
+    assert first is not None and first.source == "fixed" and first.version == 1
+    assert table(svc).spec_off_crossover() == 5
+    assert svc.tick() is None  # nothing new, heartbeat not due
+    clock.t += 2.5
+    hb = svc.tick()
+    assert hb is not None and hb.version == 1
+    assert svc.evidence == "no telemetry yet"
+
+
+@pytest.mark.parametrize("crossover", [3, 8, 25, 60, 100])
+def test_online_refit_recovers_crossover(crossover):
+    clock = Clock()
+    svc = ControllerService(ServiceSettings(refit_interval_s=1.0), clock=clock)
+    truth = truth_with_crossover(crossover)
+    feed(svc, clock, truth, 12000, list(range(1, 2 * crossover + 10)))
+    clock.t += 1.0
+    pol = svc.tick()
+    assert pol is not None and pol.source == "online"
+    got = table(svc).spec_off_crossover()
+    assert abs(got - crossover) <= max(1, 0.15 * crossover), (got, crossover)
+
+
+def test_new_version_only_when_table_changes():
+    clock = Clock()
+    svc = ControllerService(ServiceSettings(refit_interval_s=1.0, heartbeat_s=1000), clock=clock)
+    truth = truth_with_crossover(20)
+    feed(svc, clock, truth, 8000, list(range(1, 50)))
+    clock.t += 1
+    svc.tick()
+    v = svc.policy.version
+    for i in range(5):
+        feed(svc, clock, truth, 500, list(range(1, 50)), seed=10 + i)
+        clock.t += 1
+        assert svc.tick() is None  # refits, same table, no heartbeat due
+    assert svc.policy.version == v and svc.num_refits >= 6
+
+
+def test_bad_frames_are_counted_by_reason_and_dropped():
+    svc = ControllerService(ServiceSettings(), clock=Clock())
+    bad = [b"\x00\x01", b"{}", b'{"kind":"step","schema":9}', json.dumps({"kind": "policy"}).encode(),
+           b'{"kind":"step","schema":1,"server":"a","rank":0,"iter":1,"ts":1,"batch_size":-5,'
+           b'"config":{"steps":0,"topk":1,"draft_tokens":1},"step_ms":1}']
+    assert not any(svc.observe_frame(f) for f in bad)
+    rej = svc.status()["rejected"]
+    assert sum(rej.values()) == len(bad)
+    assert rej["bad_json"] == 1 and rej["bad_schema_version"] == 1
+    assert svc.model.num_samples_ == 0
+
+
+def test_records_from_the_future_are_rejected():
+    clock = Clock()
+    svc = ControllerService(ServiceSettings(), clock=clock)
+    r = next(generate(truth_with_crossover(5), num_steps=1, batch_sizes=[2], t0=clock.t + 86400))
+    assert not svc.observe_frame(json.dumps(r).encode())
+    assert svc.status()["rejected"] == {"ts_in_future": 1}
+
+
+def test_fixed_mode_never_changes_the_table():
+    clock = Clock()
+    svc = ControllerService(ServiceSettings(mode="fixed", threshold=9, fixed_config=(1, 1, 2),
+                                            refit_interval_s=1), clock=clock)
+    feed(svc, clock, truth_with_crossover(40), 5000, list(range(1, 80)))
+    clock.t += 5
+    svc.tick()
+    assert svc.policy.source == "fixed" and table(svc).spec_off_crossover() == 9
+    assert table(svc).lookup(1) == (1, 1, 2)
+
+
+def test_restart_resumes_policy_and_model(tmp_path):
+    clock = Clock()
+    svc = ControllerService(ServiceSettings(refit_interval_s=1), clock=clock, store=StateStore(tmp_path))
+    feed(svc, clock, truth_with_crossover(30), 8000, list(range(1, 70)))
+    clock.t += 1
+    svc.tick()
+    svc.persist_model()
+    before = svc.policy
+    svc2 = ControllerService(ServiceSettings(refit_interval_s=1), clock=clock, store=StateStore(tmp_path))
+    assert svc2.policy.version == before.version and svc2.policy.table == before.table
+    assert svc2.model.num_samples_ == svc.model.num_samples_
+    clock.t += 1
+    svc2.tick()  # refit on the restored model reproduces the table: no new version
+    assert svc2.policy.version == before.version
+
+
+def test_truncated_policy_file_falls_back_to_previous(tmp_path):
+    clock = Clock()
+    store = StateStore(tmp_path)
+    svc = ControllerService(ServiceSettings(refit_interval_s=1), clock=clock, store=store)
+    v1 = svc.policy
+    feed(svc, clock, truth_with_crossover(30), 8000, list(range(1, 70)))
+    clock.t += 1
+    svc.tick()
+    assert svc.policy.version > v1.version
+    p = tmp_path / "policy.json"
+    p.write_bytes(p.read_bytes()[:57])  # torn write
+    store2 = StateStore(tmp_path)
+    got = store2.load_policy()
+    assert got is not None and got.version == svc.policy.version - 1
+    assert any("unusable" in x for x in store2.problems)
+
+
+def test_init_policy_used_when_state_is_empty(tmp_path):
+    init = wire.policy_from_obj({"kind": "policy", "schema": 1, "version": 3, "created_at": 1.0, "source": "file",
+                                 "table": [{"min_batch": 1, "max_batch": 11, "config": {"steps": 2, "topk": 1, "draft_tokens": 3}},
+                                           {"min_batch": 12, "config": {"steps": 0, "topk": 1, "draft_tokens": 1}}]})
+    svc = ControllerService(ServiceSettings(), clock=Clock(), store=StateStore(tmp_path), init_policy=init)
+    assert svc.policy.source == "file" and table(svc).spec_off_crossover() == 12
+    assert StateStore(tmp_path).load_policy().version == 3
+
+
+def test_explores_configs_lacking_data():
+    clock = Clock()
+    svc = ControllerService(ServiceSettings(refit_interval_s=1, candidates=((0, 1, 1), (1, 1, 2), (3, 1, 4))),
+                            clock=clock)
+    feed(svc, clock, truth_with_crossover(20), 6000, list(range(1, 40)))
+    clock.t += 1
+    pol = svc.tick()
+    assert pol.explore and pol.explore_period == 64
+    assert {r.config.key for r in pol.explore} == {(1, 1, 2)}  # s1 never measured
