@@ -11,10 +11,10 @@ from . import transport
 
 
 def runtime_base(environ: Mapping[str, str]) -> Path:
-    """Private runtime dir for ipc sockets: $SPECCTL_RUNTIME_DIR, else $XDG_RUNTIME_DIR/specctl,
-    else /tmp/specctl-<uid>."""
-    if environ.get("SPECCTL_RUNTIME_DIR"):
-        return Path(environ["SPECCTL_RUNTIME_DIR"])
+    """Private runtime dir for ipc sockets: $SPECCTL_RUNDIR, else $XDG_RUNTIME_DIR/specctl,
+    else /tmp/specctl-<uid>. The plugin resolves the same way, so both sides meet by default."""
+    if environ.get("SPECCTL_RUNDIR"):
+        return Path(environ["SPECCTL_RUNDIR"])
     if environ.get("XDG_RUNTIME_DIR"):
         return Path(environ["XDG_RUNTIME_DIR"]) / "specctl"
     return Path(f"/tmp/specctl-{os.getuid()}")
@@ -28,11 +28,14 @@ def state_base(environ: Mapping[str, str]) -> Path:
     return Path.home() / ".local" / "state" / "specctl"
 
 
+ENV_ENDPOINTS = {"telemetry": "SPECCTL_TELEMETRY", "publish": "SPECCTL_POLICY", "status": "SPECCTL_STATUS"}
+
+
 def default_endpoints(environ: Mapping[str, str]) -> dict[str, str]:
-    """telemetry / publish / status endpoints, each overridable by SPECCTL_<NAME>_ENDPOINT."""
+    """telemetry / publish / status endpoints; SPECCTL_TELEMETRY, SPECCTL_POLICY and
+    SPECCTL_STATUS override the runtime-dir defaults (same names as the plugin's)."""
     eps = transport.default_endpoints(runtime_base(environ))
-    for name in list(eps):
-        override = environ.get(f"SPECCTL_{name.upper()}_ENDPOINT")
-        if override:
-            eps[name] = override
+    for name, var in ENV_ENDPOINTS.items():
+        if environ.get(var):
+            eps[name] = environ[var]
     return eps
