@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional, Sequence
 
+import numpy as np
 from ..controller import wire
 from .costmodel import Config, Sample
 
@@ -279,7 +280,8 @@ _ACCEPT = re.compile(r"\baccept len: (?P<al>[-+0-9.eEinfa]+), accept rate: (?P<a
 _THROUGHPUT = re.compile(r"\bgen throughput \(token/s\): (?P<thr>[-+0-9.eEinfa]+)")
 _QUEUE = re.compile(r"#queue-req: (?P<q>\d+)")
 _GRAPH = re.compile(r"\b(?:cuda|cpu|npu|musa) graph: (?P<g>True|False)")
-_PREFILL = re.compile(r"^Prefill batch(?: \[\d+\])?, #new-seq: (?P<seqs>\d+), .*?#running-req: (?P<running>\d+)")
+_PREFILL = re.compile(r"^Prefill batch(?: \[\d+\])?, #new-seq: (?P<seqs>\d+), #new-token: (?P<tokens>\d+), "
+                      r".*?#running-req: (?P<running>\d+)")
 # eagle_worker_v2.apply_runtime_state (0.5.17 and 0.5.23, rank 0):
 _SWITCH = re.compile(r"^Switch adaptive runtime state: steps (?P<a>\d+) -> (?P<b>\d+), "
                      r"draft_tokens (?P<c>\d+) -> (?P<d>\d+)")
@@ -388,6 +390,8 @@ class _Stream:
     segment: int = 0  # bumped at every configuration change (names the sample's run)
     switches: list[str] = field(default_factory=list)  # switch lines since the last decode line
     prefills: int = 0
+    prefill_tokens: int = 0
+    last_running: Optional[int] = None  # #running-req at the previous decode line
     idle: bool = False  # a prefill started from an empty running batch inside the interval
     saw_switch_line: bool = False
     before_hint: Optional[Config] = None  # the state before a 'params updated' hint was applied
@@ -421,7 +425,10 @@ def read_sglang_log(path: Path, report: FileReport, progress: Optional[Progress]
     from accept len / accept rate. Intervals in which the configuration changed are dropped: their
     accept len and step time mix two configurations (the accept-rate bias of
     reference/sglang-integration.md §4). Also dropped: the first interval of a server (it spans
-    start-up) and intervals containing a prefill that started from an empty batch (idle time).
+    start-up), intervals containing a prefill that started from an empty batch (idle time) and
+    intervals over which #running-req moved by more than 10% (it is a snapshot at the end).
+    The time of the prefill batches inside the kept intervals is estimated per server
+    (`estimate_prefill_ms`) and subtracted.
     The overlap scheduler runs at most one batch of an interval with the previous configuration.
     """
     name = server or path.name
@@ -429,8 +436,31 @@ def read_sglang_log(path: Path, report: FileReport, progress: Optional[Progress]
     interval = DEFAULT_DECODE_LOG_INTERVAL
     streams: dict[str, _Stream] = {}
     epoch = 0
-    with_prefill = 0
     inferred = 0
+    # (sample, prefill batches per step, 1k prefill tokens per step) of the current server
+    pending: list[tuple[Sample, float, float]] = []
+
+    def flush() -> Iterator[Sample]:
+        """One server's intervals, with the prefill time they contain estimated and removed."""
+        if not pending:
+            return
+        beta = estimate_prefill_ms(pending)
+        with_prefill = sum(1 for _, x1, x2 in pending if x1 > 0)
+        if beta is not None and with_prefill:
+            report.note(f"server {epoch}: {with_prefill} of {len(pending)} used intervals contain "
+                        f"prefill batches; their time, estimated at {beta[0]:.3f} ms per prefill "
+                        f"batch + {beta[1]:.3f} ms per 1k new tokens, was subtracted")
+        elif with_prefill:
+            report.note(f"server {epoch}: {with_prefill} of {len(pending)} used intervals contain "
+                        f"prefill batches; too little variation to estimate their time, so step "
+                        f"times of those intervals include it")
+        for s, x1, x2 in pending:
+            if beta is not None:
+                corrected = s.step_ms - beta[0] * x1 - beta[1] * x2  # type: ignore[operator]
+                s.step_ms = max(corrected, 0.5 * s.step_ms)  # type: ignore[operator]
+            report.num_samples += 1
+            yield s
+        pending.clear()
 
     def stream(key: str) -> _Stream:
         st = streams.get(key)
@@ -457,6 +487,7 @@ def read_sglang_log(path: Path, report: FileReport, progress: Optional[Progress]
             if args is not None:
                 report.note(f"line {lineno}: another server_args line: a new server; "
                             f"configuration tracking restarts")
+            yield from flush()
             args = a
             interval = a.decode_log_interval
             epoch += 1
@@ -506,6 +537,7 @@ def read_sglang_log(path: Path, report: FileReport, progress: Optional[Progress]
         if pf is not None:
             st = stream(key)
             st.prefills += 1
+            st.prefill_tokens += int(pf.group("tokens"))
             if int(pf.group("running")) == 0:
                 st.idle = True
             report.num_ignored += 1
@@ -523,13 +555,14 @@ def read_sglang_log(path: Path, report: FileReport, progress: Optional[Progress]
         d = _DECODE.match(msg)
         st = stream(key)
         first = not st.seen_decode
-        switches, prefills, idle = st.switches, st.prefills, st.idle
+        switches, prefills, prefill_tokens, idle = st.switches, st.prefills, st.prefill_tokens, st.idle
         st.seen_decode = True
-        st.switches, st.prefills, st.idle = [], 0, False
+        st.switches, st.prefills, st.prefill_tokens, st.idle = [], 0, 0, False
         if d is None:
             report.skip(lineno, "unparseable decode line", text)
             continue
         rest = d.group("rest")
+        prev_running, st.last_running = st.last_running, int(d.group("running"))
         tm = _THROUGHPUT.search(rest)
         if tm is None or _QUEUE.search(rest) is None:
             report.skip(lineno, "truncated decode line (no gen throughput / #queue-req)", text)
@@ -556,6 +589,12 @@ def read_sglang_log(path: Path, report: FileReport, progress: Optional[Progress]
             continue
         if running <= 0 or thr is None or thr <= 0:
             report.skip(lineno, "no decode work in the interval (#running-req or throughput 0)", text)
+            continue
+        if prev_running is not None and abs(running - prev_running) > max(
+                1, round(0.1 * max(running, prev_running))):
+            # #running-req is a snapshot at the end; the interval's mean batch lay elsewhere
+            report.skip(lineno, "batch size changed inside the interval", text,
+                        detail=f"#running-req {prev_running} -> {running}")
             continue
 
         # the configuration that ran
@@ -588,23 +627,58 @@ def read_sglang_log(path: Path, report: FileReport, progress: Optional[Progress]
                 continue
         tau = 1.0 if cfg == OFF else float(al)  # type: ignore[arg-type]
         step_ms = 1000.0 * running * tau / thr
-        if prefills:
-            with_prefill += 1
         report.num_used += 1
-        report.num_samples += 1
-        yield Sample(ts=ts, config=cfg, batch_size=running, step_ms=step_ms,
-                     weight=float(interval),
-                     mean_accepted=None if cfg == OFF else tau - 1.0,
-                     server=f"{name}#{epoch}.{key or '-'}.{st.segment}", rank=rank)
+        pending.append((Sample(ts=ts, config=cfg, batch_size=running, step_ms=step_ms,
+                               weight=float(interval),
+                               mean_accepted=None if cfg == OFF else tau - 1.0,
+                               server=f"{name}#{epoch}.{key or '-'}.{st.segment}", rank=rank),
+                        prefills / interval, prefill_tokens / 1000.0 / interval))
+    yield from flush()
     if args is None:
         report.note("no server_args line: configurations come from switch lines or are inferred "
                     f"from accept len / accept rate; decode_log_interval assumed {interval}")
     if inferred:
         report.note(f"{inferred} intervals: configuration inferred from accept len / accept rate "
                     f"(assumes chains, topk 1)")
-    if with_prefill:
-        report.note(f"{with_prefill} used intervals contain prefill batches (their step time "
-                    f"includes prefill time; the per-batch median absorbs a minority of them)")
+
+
+
+def estimate_prefill_ms(items: Sequence[tuple[Sample, float, float]], min_rows: int = 8
+                        ) -> Optional[tuple[float, float]]:
+    """(ms per prefill batch, ms per 1k new tokens) hidden in interval step times.
+
+    A decode-log interval's wall time also holds the prefill batches run inside it. Within one
+    (configuration, batch size) cell the decode step time is the same, so the spread of step_ms
+    against prefill work per step gives its cost: least squares on cell-demeaned values
+    (fixed effects), coefficients kept non-negative. None when there is too little variation.
+    """
+    cells: dict[tuple, list[tuple[float, float, float]]] = {}
+    for s, x1, x2 in items:
+        cells.setdefault((tuple(s.config), s.batch_size), []).append((float(s.step_ms), x1, x2))  # type: ignore[arg-type]
+    rows = []
+    for vals in cells.values():
+        if len(vals) < 3:
+            continue
+        a = np.asarray(vals, dtype=float)
+        rows.append(a - a.mean(axis=0))
+    if not rows:
+        return None
+    m = np.vstack(rows)
+    if len(m) < min_rows:
+        return None
+    y, x = m[:, 0], m[:, 1:]
+    beta = np.zeros(2)
+    for cols in ((0, 1), (0,), (1,)):
+        xs = x[:, cols]
+        if np.linalg.matrix_rank(xs) < len(cols) or float((xs ** 2).sum()) <= 0:
+            continue
+        b, *_ = np.linalg.lstsq(xs, y, rcond=None)
+        if (b >= 0).all():
+            beta[list(cols)] = b
+            break
+    else:
+        return None
+    return float(beta[0]), float(beta[1])
 
 
 # ---------------------------------------------------------------------------------------------

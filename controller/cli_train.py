@@ -1,0 +1,106 @@
+"""`specctl train`: a policy file from SGLang logs, bench_serving results and telemetry recordings."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Optional
+
+import click
+
+from . import wire
+
+PROGRESS_MIN_BYTES = 16 * 1024 * 1024  # smaller inputs read in a blink: no bar
+
+
+def _configs(ctx: click.Context, param: click.Parameter, value: Optional[str]):
+    """'off s1 s3', 'off;s1;s3' or 'off,s1,s3'; a 'steps,topk,draft' triple needs ';' or spaces
+    between configurations."""
+    if not value:
+        return None
+    if " " in value.strip() or ";" in value:
+        items = value.replace(";", " ").split()
+    elif all(not x.strip().isdigit() for x in value.split(",")):
+        items = value.split(",")
+    else:
+        items = [value]
+    try:
+        return tuple(wire.parse_config(v).key for v in items if v.strip())
+    except ValueError as e:
+        raise click.BadParameter(str(e)) from None
+
+
+@click.command("train")
+@click.argument("inputs", nargs=-1, required=True, type=click.Path())
+@click.option("--out", "out", required=True, type=click.Path(dir_okay=False),
+              help="Policy file to write (DESIGN.md policy JSON, source \"file\").")
+@click.option("--plot", type=click.Path(dir_okay=False), help="Draw the fit to this PNG (needs matplotlib).")
+@click.option("--report", "report_path", type=click.Path(dir_okay=False),
+              help="Write the per-file and fit report (Markdown) here; written even when no policy is.")
+@click.option("--candidates", callback=_configs,
+              help="Configurations the engines have runtime states for, e.g. 'off s1 s3' "
+                   "(default: every one seen in the inputs).")
+@click.option("--max-batch", default=1024, show_default=True, type=click.IntRange(min=1),
+              help="Largest batch size the table is derived for (the last row extends beyond).")
+@click.option("--min-steps", default=32.0, show_default=True, type=click.FloatRange(min=1),
+              help="Decode steps that make a batch-size range count as measured for a configuration.")
+@click.option("--progress/--no-progress", default=None,
+              help="Progress bar (default: on for inputs over 16 MiB).")
+@click.option("--json", "as_json", is_flag=True, help="Print the training report as JSON on stdout.")
+def train(inputs: tuple[str, ...], out: str, plot: Optional[str], report_path: Optional[str],
+          candidates, max_batch: int, min_steps: float, progress: Optional[bool], as_json: bool) -> None:
+    """Fit the cost model to INPUT files or directories (any mix of SGLang server logs,
+    bench_serving result JSONL and specctl telemetry .jsonl/.jsonl.gz) and write a policy file
+    for `specctl serve --init-policy` or the plugin's SPECCTL_POLICY_FILE.
+
+    Exits 2 without writing a policy when the inputs do not carry enough evidence."""
+    from ..training import train as training
+    from ..training.readers import expand_inputs
+    from .state import atomic_write
+
+    files, _ = expand_inputs(inputs)
+    total = 0
+    for f in files:
+        try:
+            total += f.stat().st_size
+        except OSError:
+            pass
+    show_bar = progress if progress is not None else total >= PROGRESS_MIN_BYTES
+    if show_bar:
+        with click.progressbar(length=max(total, 1), label="reading", file=sys.stderr,
+                               show_percent=True, show_eta=True) as bar:
+            policy, report = training.train(inputs, max_batch=max_batch, candidates=candidates,
+                                            min_steps=min_steps, progress=bar.update)
+    else:
+        policy, report = training.train(inputs, max_batch=max_batch, candidates=candidates,
+                                        min_steps=min_steps)
+
+    for f in report.files:
+        line = (f"{f.path}: {f.format}, {f.num_lines} lines, {f.num_used} used, "
+                f"{f.num_skipped} skipped")
+        top = ", ".join(f"{n} {r}" for r, n in f.skipped.most_common(3))
+        click.echo(line + (f" ({top})" if top else ""), err=True)
+        for p in f.problems:
+            click.echo(f"  problem: {p}", err=True)
+    if report_path:
+        Path(report_path).write_text(training.report_markdown(report, policy))
+    if plot:
+        try:
+            training.plot_fit(report, policy, plot)
+        except ImportError:
+            click.echo("--plot needs matplotlib (pip install 'specctl[plot]'); no plot written",
+                       err=True)
+    if as_json:
+        click.echo(json.dumps(report.to_obj(), indent=2))
+    if policy is None:
+        click.echo("no policy written: too little evidence:", err=True)
+        for m in report.missing:
+            click.echo(f"  - {m}", err=True)
+        sys.exit(2)
+    atomic_write(Path(out), wire.encode(policy) + b"\n", keep_prev=False)
+    x = report.crossover
+    rows = "; ".join(f"{r.min_batch}-{'' if r.max_batch is None else r.max_batch}: {r.config.name}"
+                     for r in policy.table)
+    click.echo(f"wrote {out}: {rows} (spec→off crossover: {'never' if x is None else x}; "
+               f"{report.num_samples} samples)", err=True)
