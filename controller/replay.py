@@ -30,7 +30,7 @@ def iter_lines(path: str | Path) -> Iterator[tuple[int, bytes]]:
 
 
 def replay(path: str | Path, sock: zmq.Socket, *, speed: Optional[float] = None,
-           sleep: Callable[[float], None] = time.sleep,
+           sleep: Callable[[float], None] = time.sleep, clock: Callable[[], float] = time.monotonic,
            progress: Optional[Callable[[int], None]] = None) -> ReplayReport:
     """Send each JSON line as one frame. Lines that are not JSON objects are skipped and
     reported (the daemon validates the rest and counts its own rejects). With `speed`, frames
@@ -38,7 +38,7 @@ def replay(path: str | Path, sock: zmq.Socket, *, speed: Optional[float] = None,
     high-water mark paces them at the rate the daemon takes them."""
     rep = ReplayReport()
     first_ts: Optional[float] = None
-    start = time.monotonic()
+    start = clock()
     try:
         for lineno, line in iter_lines(path):
             if not line.strip():
@@ -58,7 +58,7 @@ def replay(path: str | Path, sock: zmq.Socket, *, speed: Optional[float] = None,
                     if first_ts is None:
                         first_ts = float(ts)
                     due = (float(ts) - first_ts) / speed
-                    ahead = due - (time.monotonic() - start)
+                    ahead = due - (clock() - start)
                     if ahead > 0:
                         sleep(ahead)
             try:
