@@ -60,8 +60,8 @@ def test_replay_speed_paces_by_recorded_timestamps(tmp_path, zctx):
     rep = replay(path, push, speed=4.0, sleep=fake_sleep, clock=lambda: now[0])
     assert rep.sent == 101
     # 10 s recorded at 4x: the schedule waits 2.5 s in total, in 100 steps of 25 ms
-    assert sum(slept) == pytest.approx(2.5, rel=1e-6)
-    assert len(slept) == 100 and max(slept) == pytest.approx(0.025, rel=1e-6)
+    assert sum(slept) == pytest.approx(2.5, rel=1e-4)
+    assert len(slept) == 100 and max(slept) == pytest.approx(0.025, rel=1e-4)
     assert time.monotonic() - t0 < 2.0  # the injected sleep really was used
 
 
