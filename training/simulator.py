@@ -417,61 +417,67 @@ class SimResult:
         }
 
 
-class _Grow:
-    """Append-only numpy column that doubles its capacity."""
-
-    def __init__(self, dtype: Any, cap: int = 4096):
-        self.a = np.empty(cap, dtype=dtype)
-        self.n = 0
-
-    def append(self, v: Any) -> None:
-        if self.n == len(self.a):
-            self.a = np.concatenate([self.a, np.empty_like(self.a)])
-        self.a[self.n] = v
-        self.n += 1
-
-    def view(self) -> np.ndarray:
-        return self.a[: self.n]
-
-
 class _Requests:
-    """The request stream of a workload: request i has the same uniforms under every policy
-    (common random numbers), so policies are compared on the same draws."""
+    """The request stream of a workload. Request i draws the same uniforms under every policy
+    (common random numbers: its class/length pair and its per-token draws come from streams
+    indexed by i), so policies are compared on the same luck. Running requests hold a row of
+    `U` (a slot); per-token draws are generated 64 requests at a time."""
+
+    BLOCK = 64
 
     def __init__(self, workload: Workload, max_steps: int):
         self.workload = workload
-        self.max_steps = max_steps
         self.seed = workload.seed
-        self._attr = np.random.default_rng([self.seed, 1]).random((1024, 2))
+        self.stride = max(c.output_tokens[1] for c in workload.classes) + max_steps + 1
         self.num_created = 0
-        self.u = np.empty(1 << 16, dtype=np.float32)  # per-token uniforms of all requests, concatenated
-        self.u_used = 0
+        self._attr = np.empty((0, 2))
+        self._block_i = -1
+        self._block = np.empty((0, self.stride), dtype=np.float32)
+        self.U = np.empty((self.BLOCK, self.stride), dtype=np.float32)
+        self.free = list(range(self.BLOCK - 1, -1, -1))
         self.class_index = {c.name: i for i, c in enumerate(workload.classes)}
+        self._mix_cache: dict[int, tuple[list[float], list[int]]] = {}
 
     def create(self, phase: Phase) -> tuple[int, int, int]:
-        """(class index, output tokens, offset of its uniforms)."""
+        """(class index, output tokens, slot)."""
         i = self.num_created
         self.num_created += 1
         if i >= len(self._attr):
-            more = np.random.default_rng([self.seed, 1, len(self._attr)]).random((len(self._attr), 2))
+            n = max(1024, len(self._attr))
+            more = np.random.default_rng([self.seed, 1, len(self._attr)]).random((n, 2))
             self._attr = np.concatenate([self._attr, more])
         u_cls, u_len = self._attr[i]
-        acc = 0.0
-        cname = next(iter(phase.mix))
-        for cname, w in phase.mix.items():
-            acc += w
-            if u_cls < acc:
+        cum, idx = self._mix_cache.get(id(phase)) or self._mix(phase)
+        ci = idx[-1]
+        for c, k in zip(cum, idx):
+            if u_cls < c:
+                ci = k
                 break
-        ci = self.class_index[cname]
         lo, hi = self.workload.classes[ci].output_tokens
         length = lo + min(int(u_len * (hi - lo + 1)), hi - lo)
-        n = length + self.max_steps + 1
-        while self.u_used + n > len(self.u):
-            self.u = np.concatenate([self.u, np.empty_like(self.u)])
-        off = self.u_used
-        self.u[off: off + n] = np.random.default_rng([self.seed, 2, i]).random(n, dtype=np.float32)
-        self.u_used += n
-        return ci, length, off
+        b = i // self.BLOCK
+        if b != self._block_i:
+            self._block = np.random.default_rng([self.seed, 2, b]).random((self.BLOCK, self.stride), dtype=np.float32)
+            self._block_i = b
+        if not self.free:
+            old = len(self.U)
+            self.U = np.concatenate([self.U, np.empty_like(self.U)])
+            self.free = list(range(len(self.U) - 1, old - 1, -1))
+        slot = self.free.pop()
+        self.U[slot] = self._block[i % self.BLOCK]
+        return ci, length, slot
+
+    def _mix(self, phase: Phase) -> tuple[list[float], list[int]]:
+        cum, idx, acc = [], [], 0.0
+        for name, w in phase.mix.items():
+            acc += w
+            cum.append(acc)
+            idx.append(self.class_index[name])
+        self._mix_cache[id(phase)] = (cum, idx)
+        return cum, idx
+
+    def release(self, slots: Sequence[int]) -> None:
+        self.free.extend(slots)
 
 
 def simulate(profile: Profile, workload: Workload, policy: SimPolicy, *,
@@ -480,8 +486,8 @@ def simulate(profile: Profile, workload: Workload, policy: SimPolicy, *,
     """Run one policy over the whole workload on virtual time and return its figures.
 
     `seed` overrides the workload's; `on_step(t_s, batch_size, config_index, tokens)` is called
-    after every step (live displays); `clock`, if given, is a wall clock the loop paces itself to
-    (live mode: one virtual second per wall second)."""
+    after every step (live displays); `clock`, if given, is a wall clock (seconds since start) the
+    loop paces itself to: one virtual second per wall second (live mode)."""
     import time as _time
 
     if seed is not None:
@@ -492,69 +498,70 @@ def simulate(profile: Profile, workload: Workload, policy: SimPolicy, *,
     max_steps = A.shape[2]
     n_cls = len(workload.classes)
     cfg_index = {c: i for i, c in enumerate(profile.configs)}
-    cfg_steps = np.array([c[0] for c in profile.configs])
+    cfg_steps = [int(c[0]) for c in profile.configs]
+    A_by_cfg = [np.ascontiguousarray(A[:, k, : max(1, cfg_steps[k])]) for k in range(profile.num_configs)]
     uses_truth = bool(getattr(policy, "uses_truth", False))
     reqs = _Requests(workload, max_steps)
     pos_ar = np.arange(max_steps)
-    noise_cv = profile.noise_cv
-    sigma = math.sqrt(math.log1p(noise_cv * noise_cv)) if noise_cv > 0 else 0.0
+    table = profile._table
+    table_max = table.shape[1] - 1
+    sigma = math.sqrt(math.log1p(profile.noise_cv ** 2)) if profile.noise_cv > 0 else 0.0
     noise_rng = np.random.default_rng([workload.seed, 3])
-    noise_block = np.empty(0)
+    noise_block: list[float] = []
     nb_i = 0
 
-    # running batch, as parallel arrays
+    # the running batch, as parallel arrays; `r_rem` = output tokens still to emit
     r_cls = np.empty(0, dtype=np.int64)
     r_len = np.empty(0, dtype=np.int64)
-    r_pos = np.empty(0, dtype=np.int64)
-    r_off = np.empty(0, dtype=np.int64)
+    r_rem = np.empty(0, dtype=np.int64)
+    r_slot = np.empty(0, dtype=np.int64)
+    r_ptr = np.empty(0, dtype=np.int64)  # flat index into reqs.U of each request's next draw
     r_t0 = np.empty(0, dtype=float)
     queue: deque[tuple[int, int, int]] = deque()  # waiting for a running slot (max_running)
     cls_count = np.zeros(n_cls, dtype=np.int64)
+    comp_version = 0  # bumped when the batch's class composition changes
+    truth_key: tuple[int, int] = (-1, -1)
+    truth_cfg: Config = (0, 1, 1)
 
-    ends = np.cumsum([p.duration_s for p in workload.phases])
-    total_s = float(ends[-1])
-    phases = [PhaseStats(p.name, p.duration_s) for p in workload.phases]
+    ends = [float(e) for e in np.cumsum([p.duration_s for p in workload.phases])]
+    total_s = ends[-1]
     # open-loop arrivals per phase, from their own stream: the same under every policy
-    arrivals: list[np.ndarray] = []
+    arrivals: list[list[float]] = []
     for j, p in enumerate(workload.phases):
-        start = float(ends[j] - p.duration_s)
+        start = ends[j] - p.duration_s
         if p.arrival_rate:
             rng = np.random.default_rng([workload.seed, 4, j])
             n_est = int(p.arrival_rate * p.duration_s * 1.5 + 20)
             t = start + np.cumsum(rng.exponential(1.0 / p.arrival_rate, n_est))
             while t[-1] < ends[j]:
                 t = np.concatenate([t, t[-1] + np.cumsum(rng.exponential(1.0 / p.arrival_rate, n_est))])
-            arrivals.append(t[t < ends[j]])
+            arrivals.append([float(x) for x in t[t < ends[j]]])
         else:
-            arrivals.append(np.empty(0))
+            arrivals.append([])
     arr_j, arr_k = 0, 0
 
-    tr_t, tr_bs, tr_cfg, tr_tok = _Grow(float), _Grow(np.int32), _Grow(np.int16), _Grow(np.int32)
-    tpots = _Grow(float)
+    tr_t: list[float] = []
+    tr_bs: list[int] = []
+    tr_cfg: list[int] = []
+    tr_tok: list[int] = []
+    fin_t: list[float] = []
+    fin_tpot: list[float] = []
     now = 0.0
     phase_j = 0
+    last_phase = len(ends) - 1
     in_system = 0  # running + queued
     max_running = workload.max_running or (1 << 30)
     total_tokens = 0
-    step_no = 0
-    new_cls: list[int] = []
-    new_len: list[int] = []
-    new_off: list[int] = []
-    new_t0: list[float] = []
-
-    def admit(item: tuple[int, int, int]) -> None:
-        new_cls.append(item[0])
-        new_len.append(item[1])
-        new_off.append(item[2])
-        new_t0.append(now)
+    new: list[tuple[int, int, int]] = []
 
     while now < total_s:
-        while phase_j < len(ends) - 1 and now >= ends[phase_j]:
+        while phase_j < last_phase and now >= ends[phase_j]:
             phase_j += 1
         phase = workload.phases[phase_j]
         # arrivals: open-loop events up to now; closed loop tops up to its concurrency
         while arr_j <= phase_j:
-            if arr_k < len(arrivals[arr_j]) and (arr_j < phase_j or arrivals[arr_j][arr_k] <= now):
+            arr = arrivals[arr_j]
+            if arr_k < len(arr) and (arr_j < phase_j or arr[arr_k] <= now):
                 queue.append(reqs.create(workload.phases[arr_j]))
                 in_system += 1
                 arr_k += 1
@@ -567,31 +574,39 @@ def simulate(profile: Profile, workload: Workload, policy: SimPolicy, *,
             while in_system < phase.concurrency:
                 queue.append(reqs.create(phase))
                 in_system += 1
-        running = len(r_cls) + len(new_cls)
-        while queue and running < max_running:
-            admit(queue.popleft())
-            running += 1
-        if new_cls:
-            r_cls = np.concatenate([r_cls, np.array(new_cls, dtype=np.int64)])
-            r_len = np.concatenate([r_len, np.array(new_len, dtype=np.int64)])
-            r_off = np.concatenate([r_off, np.array(new_off, dtype=np.int64)])
-            r_pos = np.concatenate([r_pos, np.zeros(len(new_cls), dtype=np.int64)])
-            r_t0 = np.concatenate([r_t0, np.array(new_t0)])
-            for c in new_cls:
-                cls_count[c] += 1
-            new_cls.clear(); new_len.clear(); new_off.clear(); new_t0.clear()
+        if queue:
+            running = len(r_cls)
+            while queue and running < max_running:
+                new.append(queue.popleft())
+                running += 1
+            if new:
+                nc = np.array([x[0] for x in new], dtype=np.int64)
+                nl = np.array([x[1] for x in new], dtype=np.int64)
+                r_cls = np.concatenate([r_cls, nc])
+                r_len = np.concatenate([r_len, nl])
+                r_rem = np.concatenate([r_rem, nl])
+                ns = np.array([x[2] for x in new], dtype=np.int64)
+                r_slot = np.concatenate([r_slot, ns])
+                r_ptr = np.concatenate([r_ptr, ns * reqs.stride])
+                r_t0 = np.concatenate([r_t0, np.full(len(new), now)])
+                cls_count += np.bincount(nc, minlength=n_cls)
+                comp_version += 1
+                new.clear()
         bs = len(r_cls)
         if bs == 0:
             # idle: jump to the next arrival or the next phase boundary (both lie after `now`)
-            nxt = float(ends[phase_j])
-            if arr_k < len(arrivals[phase_j]):
-                nxt = min(nxt, float(arrivals[phase_j][arr_k]))
+            nxt = ends[phase_j]
+            if arr_j == phase_j and arr_k < len(arrivals[phase_j]):
+                nxt = min(nxt, arrivals[phase_j][arr_k])
             now = max(nxt, now)
             continue
 
         if uses_truth:
-            batch_tau = cls_count @ tau / bs
-            config = policy.decide_with_truth(bs, batch_tau)  # type: ignore[attr-defined]
+            # a truth-using policy is a pure function of (batch size, composition): ask on change
+            if truth_key != (bs, comp_version):
+                truth_key = (bs, comp_version)
+                truth_cfg = policy.decide_with_truth(bs, cls_count @ tau / bs)  # type: ignore[attr-defined]
+            config = truth_cfg
         else:
             config = policy.decide(bs)
         k = cfg_index.get(config)
@@ -599,32 +614,28 @@ def simulate(profile: Profile, workload: Workload, policy: SimPolicy, *,
             raise SimFileError(f"policy {policy.name!r} chose configuration {config} "
                                f"({config_name(config)}), which profile {profile.name!r} does not measure; "
                                f"it has {', '.join(profile.config_names)}")
-        s = int(cfg_steps[k])
+        s = cfg_steps[k]
         if s > 0:
-            u = reqs.u[r_off[:, None] + r_pos[:, None] + pos_ar[None, :s]]
-            ok = u < A[r_cls, k, :s]
-            accepted = np.cumprod(ok, axis=1).sum(axis=1)
+            ok = reqs.U.ravel()[r_ptr[:, None] + pos_ar[:s]] < A_by_cfg[k][r_cls]
+            accepted = ok.cumprod(axis=1).sum(axis=1)
+            emitted = np.minimum(accepted + 1, r_rem)
+            toks = int(emitted.sum())
         else:
             accepted = np.zeros(bs, dtype=np.int64)
-        remaining = r_len - r_pos
-        emitted = np.minimum(accepted + 1, remaining)
-        ms = profile.step_ms(k, bs)
+            emitted = 1
+            toks = bs
+        ms = float(table[k, bs]) if bs <= table_max else profile.step_ms(k, bs)
         if sigma > 0:
             if nb_i >= len(noise_block):
-                noise_block = noise_rng.lognormal(-0.5 * sigma * sigma, sigma, 8192)
+                noise_block = noise_rng.lognormal(-0.5 * sigma * sigma, sigma, 8192).tolist()
                 nb_i = 0
-            ms *= float(noise_block[nb_i])
+            ms *= noise_block[nb_i]
             nb_i += 1
-        toks = int(emitted.sum())
-        st = phases[phase_j]
-        st.output_tokens += toks
-        st.num_steps += 1
-        st.batch_sum += bs
-        cn = profile.config_names[k]
-        st.config_steps[cn] = st.config_steps.get(cn, 0) + 1
-        tr_t.append(now); tr_bs.append(bs); tr_cfg.append(k); tr_tok.append(toks)
+        tr_t.append(now)
+        tr_bs.append(bs)
+        tr_cfg.append(k)
+        tr_tok.append(toks)
         total_tokens += toks
-        step_no += 1
         now += ms / 1000.0
         policy.observe(bs, config, accepted, ms, now)
         if on_step is not None:
@@ -633,22 +644,49 @@ def simulate(profile: Profile, workload: Workload, policy: SimPolicy, *,
             lag = now - clock()
             if lag > 0:
                 _time.sleep(lag)
-        r_pos = r_pos + emitted
-        done = r_pos >= r_len
-        if done.any():
+        r_rem = r_rem - emitted
+        r_ptr = r_ptr + emitted
+        if r_rem.min() <= 0:
+            done = r_rem <= 0
             nd = int(done.sum())
-            for t0, n in zip(r_t0[done], r_len[done]):
-                tpots.append((now - t0) * 1000.0 / n)
-                st.tpot_ms.append((now - t0) * 1000.0 / n)
-            for c in r_cls[done]:
-                cls_count[c] -= 1
+            fin_t.extend([now] * nd)
+            fin_tpot.extend(((now - r_t0[done]) * 1000.0 / r_len[done]).tolist())
+            cls_count -= np.bincount(r_cls[done], minlength=n_cls)
+            comp_version += 1
+            reqs.release(r_slot[done].tolist())
             keep = ~done
-            r_cls, r_len, r_pos, r_off, r_t0 = r_cls[keep], r_len[keep], r_pos[keep], r_off[keep], r_t0[keep]
+            r_cls, r_len, r_rem, r_slot, r_t0 = r_cls[keep], r_len[keep], r_rem[keep], r_slot[keep], r_t0[keep]
+            r_ptr = r_ptr[keep]
             in_system -= nd
 
+    trace_t = np.array(tr_t)
+    trace_bs = np.array(tr_bs, dtype=np.int32)
+    trace_cfg = np.array(tr_cfg, dtype=np.int16)
+    trace_tok = np.array(tr_tok, dtype=np.int64)
+    phases = _phase_stats(workload, ends, profile.config_names, trace_t, trace_bs, trace_cfg, trace_tok,
+                          np.array(fin_t), np.array(fin_tpot))
     return SimResult(
         policy=policy.name, profile=profile.name, workload=workload.name, duration_s=total_s,
-        output_tokens=total_tokens, num_steps=step_no, tpot_ms=tpots.view().copy(), phases=phases,
-        trace_t=tr_t.view().copy(), trace_bs=tr_bs.view().copy(), trace_cfg=tr_cfg.view().copy(),
-        trace_tokens=tr_tok.view().copy(), config_names=profile.config_names,
-        config_steps=tuple(int(c[0]) for c in profile.configs), wall_s=_time.perf_counter() - wall0)
+        output_tokens=total_tokens, num_steps=len(tr_t), tpot_ms=np.array(fin_tpot), phases=phases,
+        trace_t=trace_t, trace_bs=trace_bs, trace_cfg=trace_cfg, trace_tokens=trace_tok,
+        config_names=profile.config_names, config_steps=tuple(cfg_steps),
+        wall_s=_time.perf_counter() - wall0)
+
+
+def _phase_stats(workload: Workload, ends: list[float], config_names: Sequence[str], t: np.ndarray,
+                 bs: np.ndarray, cfg: np.ndarray, tok: np.ndarray, fin_t: np.ndarray,
+                 fin_tpot: np.ndarray) -> list[PhaseStats]:
+    """Per phase, from the step trace: a step belongs to the phase it started in; a request's
+    TPOT to the phase it finished in."""
+    ph = np.minimum(np.searchsorted(ends, t, side="right"), len(ends) - 1)
+    fph = np.minimum(np.searchsorted(ends, fin_t, side="right"), len(ends) - 1) if len(fin_t) else fin_t
+    out = []
+    for j, p in enumerate(workload.phases):
+        m = ph == j
+        st = PhaseStats(p.name, p.duration_s, output_tokens=int(tok[m].sum()), num_steps=int(m.sum()),
+                        batch_sum=int(bs[m].sum()))
+        st.tpot_ms = fin_tpot[fph == j].tolist() if len(fin_t) else []
+        counts = np.bincount(cfg[m], minlength=len(config_names))
+        st.config_steps = {config_names[i]: int(n) for i, n in enumerate(counts) if n}
+        out.append(st)
+    return out
