@@ -20,6 +20,9 @@ def test_wheel_contains_only_the_specctl_namespace(tmp_path):
         assert f"specctl/{pkg}/__init__.py" in names
     assert "specctl/__init__.py" not in names  # an implicit namespace: nothing else claims `specctl`
     assert not any(n.startswith(("tests/", "benchmarks/")) for n in names)
+    # shipped simulator profiles and workloads travel as package data
+    assert any(n.startswith("specctl/training/data/profiles/") and n.endswith(".json") for n in names)
+    assert any(n.startswith("specctl/training/data/workloads/") and n.endswith(".json") for n in names)
     dist = next(t for t in tops if t.endswith(".dist-info"))
     eps = zipfile.ZipFile(whl).read(f"{dist}/entry_points.txt").decode()
     assert "[sglang.srt.plugins]" in eps and "specctl = specctl.plugin:register" in eps
