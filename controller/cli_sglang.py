@@ -13,12 +13,12 @@ from . import wire
 @click.command("sglang-args")
 @click.option("--configs", default="off,s1,s3", show_default=True,
               help="configurations the policy may use (comma-separated: off, sN)")
-@click.option("--initial-steps", type=int, default=None, help="steps at start-up (default: the fallback's)")
+@click.option("--initial-steps", type=int, default=None, help="--speculative-num-steps (default: the largest candidate)")
 @click.option("--algorithm", default="EAGLE3", show_default=True, type=click.Choice(["EAGLE3", "EAGLE"]))
 @click.option("--config-path", default="specctl-adaptive.json", show_default=True,
               help="where the adaptive config JSON is written by the printed snippet")
 @click.option("--server-id", default="sglang-0", show_default=True)
-@click.option("--mode", default="online", show_default=True, type=click.Choice(["online", "fixed", "file"]))
+@click.option("--mode", default="online", show_default=True, type=click.Choice(["online", "fixed", "file", "off"]))
 @click.option("--rundir", default=None, help="SPECCTL_RUNDIR shared with `specctl serve`")
 @click.option("--fallback-threshold", type=int, default=launch_args.DEFAULT_THRESHOLD, show_default=True)
 @click.option("--fallback-config", default="s3", show_default=True)

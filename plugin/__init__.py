@@ -10,7 +10,6 @@ from __future__ import annotations
 import inspect
 import logging
 import os
-import tempfile
 from typing import Any, Mapping, Optional
 
 from .engine import EngineController, PluginSettings, PolicyUpdate
@@ -25,11 +24,10 @@ SCHEDULER_ENTRY = "run_scheduler_process"
 
 
 def default_rundir(env: Mapping[str, str]) -> str:
-    """Where `specctl serve` puts its ipc sockets unless SPECCTL_RUNDIR says otherwise."""
-    xdg = env.get("XDG_RUNTIME_DIR")
-    if xdg:
-        return os.path.join(xdg, "specctl")
-    return os.path.join(tempfile.gettempdir(), f"specctl-{os.getuid()}")
+    """Where `specctl serve` puts its ipc sockets (controller/settings.py decides, for both sides)."""
+    from ..controller.settings import runtime_base
+
+    return str(runtime_base(env))
 
 
 def in_scheduler_process() -> bool:
@@ -47,6 +45,9 @@ def register() -> None:
         settings = PluginSettings.from_env(env, default_rundir=default_rundir(env))
     except ValueError as e:
         log.error("specctl: not installed, bad settings: %s", e)
+        return
+    if settings.mode == "off":
+        log.info("specctl: SPECCTL_MODE=off, plugin inert")
         return
     install(settings)
 

@@ -29,7 +29,7 @@ from ..policies.table import OFF, Config, PolicyTable, chain
 
 log = logging.getLogger("specctl.plugin")
 
-MODES = ("online", "fixed", "file")
+MODES = ("online", "fixed", "file", "off")
 ENV_PREFIX = "SPECCTL_"
 
 
@@ -38,6 +38,7 @@ class PluginSettings:
     """Everything the plugin is told, read once from `SPECCTL_*` by `register()` (see from_env)."""
 
     mode: str = "online"  # online: follow the daemon | fixed: threshold only | file: policy_file
+    #                       | off: register() installs nothing (SGLang's own policy runs)
     server_id: str = "sglang-0"
     telemetry_endpoint: Optional[str] = None  # None: no telemetry is sent
     policy_endpoint: Optional[str] = None  # None: no daemon is listened to
@@ -137,6 +138,7 @@ class EngineController:
         if not self.candidate_steps:
             raise ValueError("no candidate steps: SGLang built no adaptive runtime state")
         self.stats = EngineStats()
+        self._logged: set[str] = set()
         self.fallback = self._build_fallback(settings.fallback_threshold, settings.fallback_config)
         self.table: PolicyTable = self.fallback
         self.active_source = "fallback"
@@ -150,7 +152,6 @@ class EngineController:
         self._last_frame_at: Optional[float] = None
         self._started_at = clock() if rank == 0 else 0.0
         self._no_daemon_reported = False
-        self._logged: set[str] = set()
         self._prefix = (
             '{"kind":"step","schema":1,"server":' + _json_str(settings.server_id)
             + ',"rank":' + str(int(rank)) + ',"iter":'

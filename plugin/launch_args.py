@@ -56,7 +56,8 @@ def build(candidates: Sequence[Config] = DEFAULT_CANDIDATES, *, algorithm: str =
         raise ValueError(why)
     steps = sorted({c[0] for c in candidates} | {0, fallback_config[0]})
     if initial_steps is None:
-        initial_steps = fallback_config[0]  # the fallback is where a fresh server starts
+        # the largest candidate: SGLang 0.5.17 sizes a logits buffer from --speculative-num-steps
+        initial_steps = steps[-1]
     if initial_steps not in steps:
         raise ValueError(f"initial steps {initial_steps} is not among the candidates {steps}")
     flags = [

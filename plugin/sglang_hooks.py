@@ -132,6 +132,8 @@ class PluginRuntime:
 
     def _open_transport(self) -> None:
         s = self.settings
+        if self.sender is not None or self.receiver is not None:
+            return  # one set of sockets per process, whatever the number of policy objects
         if s.telemetry_endpoint is None and (s.policy_endpoint is None or s.mode != "online"):
             return
         try:

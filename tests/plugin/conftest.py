@@ -1,0 +1,88 @@
+"""Plugin tests: `sglang`-marked ones need the real sglang modules (scripts/setup_sglang_cpu.sh);
+they run once per installed sglang version: `.cache/sglang-<version>/bin/python -m pytest tests/plugin`."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).parent
+STANDIN = "specctl_sglang_standin"
+
+
+def _sglang_problem() -> str | None:
+    if importlib.util.find_spec("sglang") is None:
+        return ("sglang is not installed in this interpreter: run `bash scripts/setup_sglang_cpu.sh`, "
+                "then `.cache/sglang-<version>/bin/python -m pytest tests/plugin`")
+    try:
+        import sglang.srt.plugins.hook_registry  # noqa: F401
+        import sglang.srt.speculative.adaptive_runtime_state  # noqa: F401
+    except Exception as e:  # noqa: BLE001
+        return f"sglang is installed but its plugin/adaptive modules do not import: {type(e).__name__}: {e}"
+    return None
+
+
+SGLANG_PROBLEM = _sglang_problem()
+
+
+def pytest_collection_modifyitems(config, items):
+    if SGLANG_PROBLEM is None:
+        return
+    skip = pytest.mark.skip(reason=SGLANG_PROBLEM)
+    for item in items:
+        if "sglang" in item.keywords:
+            item.add_marker(skip)
+
+
+def load_standin():
+    if STANDIN not in sys.modules:
+        spec = importlib.util.spec_from_file_location(STANDIN, HERE / "sglang_standin.py")
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[STANDIN] = mod
+        spec.loader.exec_module(mod)
+    return sys.modules[STANDIN]
+
+
+@pytest.fixture(scope="session")
+def plugged():
+    """This pytest process as an SGLang scheduler process: SPECCTL_* set, load_plugins() called
+    from a frame named run_scheduler_process (as sglang's scheduler.py does), and our two
+    worker-side hooks also registered on the CPU stand-ins (the real targets need CUDA)."""
+    rundir = tempfile.mkdtemp(prefix="specctl-plugin-")
+    env = {"SPECCTL_RUNDIR": rundir, "SPECCTL_SERVER_ID": "cpu-test", "SPECCTL_SYNC_EVERY": "4",
+           "SPECCTL_STALE_AFTER_S": "5"}
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        def run_scheduler_process():
+            from sglang.srt.plugins import load_plugins
+
+            load_plugins()
+
+        run_scheduler_process()
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    from specctl.plugin import sglang_hooks
+
+    rt = sglang_hooks.runtime()
+    assert rt is not None, "load_plugins() did not run specctl's register()"
+    load_standin()
+    HookRegistry.register(f"{STANDIN}.EAGLEWorkerV2Standin.forward_batch_generation",
+                          sglang_hooks._around_forward, HookType.AROUND)
+    HookRegistry.register(f"{STANDIN}.ResultProcessorStandin._resolve_spec_v2_tokens",
+                          sglang_hooks._after_resolve, HookType.AFTER)
+    HookRegistry.apply_hooks()
+    rt.rundir = rundir
+    yield rt
+    rt.close()

@@ -1,0 +1,210 @@
+"""EngineController without SGLang: decisions, policy intake, TP-style apply, fallbacks, telemetry."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from specctl.controller import wire
+from specctl.plugin.engine import EngineController, PluginSettings, PolicyUpdate
+from specctl.policies.table import PolicyTable
+
+
+class Clock:
+    def __init__(self, t: float = 1000.0):
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def policy_frame(version: int, rows, *, explore=None, explore_period=None, source="online") -> bytes:
+    obj = {"kind": "policy", "schema": 1, "version": version, "created_at": 1.0, "source": source,
+           "table": [{"min_batch": a, "max_batch": b,
+                      "config": {"steps": s, "topk": 1, "draft_tokens": s + 1 if s else 1}}
+                     for a, b, s in rows]}
+    if explore:
+        obj["explore"] = [{"min_batch": a, "max_batch": b,
+                           "config": {"steps": s, "topk": 1, "draft_tokens": s + 1 if s else 1}}
+                          for a, b, s in explore]
+        obj["explore_period"] = explore_period
+    return json.dumps(obj).encode()
+
+
+def make(clock=None, candidates=(0, 1, 3), **kw) -> EngineController:
+    s = PluginSettings(**{"stale_after_s": 10.0, "sync_every": 4, "policy_endpoint": "ipc:///x", **kw})
+    return EngineController(s, candidate_steps=candidates, clock=clock or Clock())
+
+
+def run_results(eng: EngineController, n: int) -> None:
+    """n decode results; sync at each boundary as a single rank would."""
+    for _ in range(n):
+        if eng.note_result():
+            eng.sync()
+
+
+def test_starts_on_fixed_threshold_fallback_with_reason():
+    eng = make()
+    assert eng.active_source == "fallback"
+    assert "no policy received yet" in eng.fallback_reason
+    assert [eng.decide(b) for b in (1, 4, 5, 64)] == [3, 3, 0, 0]
+
+
+def test_policy_applies_only_at_a_sync_boundary_then_drives_decisions():
+    eng = make()
+    assert eng.offer_policy_frame(policy_frame(7, [(1, 8, 1), (9, None, 0)])) is None
+    assert eng.decide(4) == 3  # staged, not yet applied
+    run_results(eng, 3)
+    assert eng.active_source == "fallback"
+    run_results(eng, 1)
+    assert (eng.active_source, eng.active_version, eng.fallback_reason) == ("online", 7, None)
+    assert [eng.decide(b) for b in (1, 8, 9, 200)] == [1, 1, 0, 0]
+
+
+def test_policy_naming_a_step_without_runtime_state_falls_back():
+    eng = make()
+    eng.offer_policy_frame(policy_frame(3, [(1, 4, 7), (5, None, 0)]))
+    run_results(eng, 4)
+    assert eng.active_source == "fallback"
+    assert "steps=7" in eng.fallback_reason and "no runtime state" in eng.fallback_reason
+    assert eng.decide(2) == 3
+
+
+def test_stale_policy_falls_back_and_a_heartbeat_restores_it():
+    clock = Clock()
+    eng = make(clock)
+    frame = policy_frame(2, [(1, None, 1)])
+    eng.offer_policy_frame(frame)
+    run_results(eng, 4)
+    assert eng.decide(50) == 1
+    clock.t += 10.5
+    run_results(eng, 4)
+    assert eng.active_source == "fallback" and "stale" in eng.fallback_reason
+    assert eng.decide(50) == 0
+    eng.offer_policy_frame(frame)  # the daemon is back, same policy re-sent
+    run_results(eng, 4)
+    assert (eng.active_source, eng.active_version) == ("online", 2)
+    assert eng.decide(50) == 1
+
+
+def test_no_daemon_is_reported_after_the_timeout():
+    clock = Clock()
+    eng = make(clock)
+    clock.t += 11
+    run_results(eng, 4)
+    assert eng.active_source == "fallback" and eng.fallback_reason.startswith("no daemon")
+
+
+def test_malformed_frame_is_rejected_and_the_policy_in_force_kept():
+    eng = make()
+    eng.offer_policy_frame(policy_frame(1, [(1, None, 1)]))
+    run_results(eng, 4)
+    assert eng.offer_policy_frame(b'{"kind":"policy","schema":9}') in ("bad_schema_version", "missing_field")
+    run_results(eng, 4)
+    assert (eng.active_source, eng.active_version) == ("online", 1)
+    assert eng.stats.num_frames_rejected == 1
+
+
+def test_exploration_rows_follow_the_step_counter():
+    eng = make()
+    eng.offer_policy_frame(policy_frame(1, [(1, None, 0)], explore=[(1, 16, 1), (1, 16, 3)],
+                                        explore_period=50))
+    run_results(eng, 4)
+    got = [eng.decide(8) for _ in range(151)]
+    assert got[0] == 1 and got[50] == 3 and got[100] == 1
+    assert set(got[1:50]) == {0}
+
+
+def test_internal_error_falls_back_for_good():
+    eng = make()
+    eng.offer_policy_frame(policy_frame(1, [(1, None, 1)]))
+    run_results(eng, 4)
+
+    class Broken(PolicyTable):
+        def decide(self, batch_size, step_counter):
+            raise ZeroDivisionError("boom")
+
+    object.__setattr__(eng, "table", Broken(rows=eng.table.rows))
+    assert eng.decide(2) == 3  # the fallback's answer
+    assert eng.failed and "ZeroDivisionError" in eng.failed
+    eng.offer_policy_frame(policy_frame(2, [(1, None, 1)]))
+    run_results(eng, 8)
+    assert eng.active_source == "fallback" and eng.decide(2) == 3
+
+
+def test_tp_ranks_apply_the_same_update_at_the_same_step():
+    """Two engines, rank 0 and rank 1, with a broadcast that hands rank 0's object to both."""
+    r0 = make()
+    r1 = EngineController(r0.settings, candidate_steps=(0, 1, 3), clock=Clock(), rank=1)
+    sizes = [(i * 7) % 13 + 1 for i in range(400)]
+    got0, got1 = [], []
+    for i, bs in enumerate(sizes):
+        if i == 37:
+            r0.offer_policy_frame(policy_frame(1, [(1, 6, 1), (7, None, 3)]))
+        if i == 211:
+            r1.offer_policy_frame(policy_frame(9, [(1, None, 0)]))  # rank 1 never listens: ignored
+            r0.offer_policy_frame(policy_frame(2, [(1, None, 3)]))
+        got0.append(r0.decide(bs))
+        got1.append(r1.decide(bs))
+        b0, b1 = r0.note_result(), r1.note_result()
+        assert b0 == b1
+        if b0:
+            upd = r0.take_pending()
+            r0.sync(lambda _: upd)
+            r1.sync(lambda _: upd)
+    assert got0 == got1
+    assert r0.active_version == r1.active_version == 2
+    assert {3, 1, 0} <= set(got0)
+
+
+def test_step_record_is_exactly_the_wire_encoding():
+    eng = EngineController(PluginSettings(server_id='srv "7"'), candidate_steps=(0, 3), rank=2)
+    cases = [
+        dict(iter=18234, ts=1764441600.125, batch_size=4, draft_tokens=4, accepted=[3, 1, 0, 2], step_ms=11.8),
+        dict(iter=1, ts=1764441600.0, batch_size=2, draft_tokens=1, accepted=[0, 0], step_ms=6.25),
+        dict(iter=5, ts=1764441601.5, batch_size=1, draft_tokens=4, accepted=[3], step_ms=9.0, ctx_tokens=512),
+    ]
+    for c in cases:
+        frame = eng.step_record(**c)
+        rec = wire.decode_step(frame)
+        assert frame == wire.encode(rec)
+        assert rec.config.steps == c["draft_tokens"] - 1 if c["draft_tokens"] > 1 else rec.config.steps == 0
+        assert rec.rank == 2 and rec.server == 'srv "7"'
+
+
+def test_file_mode_starts_on_the_file_policy():
+    frame = policy_frame(4, [(1, 2, 3), (3, None, 1)], source="file")
+    s = PluginSettings(mode="file", policy_file="/p.json")
+    eng = EngineController(s, candidate_steps=(0, 1, 3), initial_policy=frame)
+    assert (eng.active_source, eng.active_version) == ("file", 4)
+    assert [eng.decide(b) for b in (1, 2, 3)] == [3, 3, 1]
+    assert eng.take_pending() is None
+
+
+def test_fallback_adapts_to_the_built_states():
+    eng = make(candidates=(0, 1, 2))  # no steps=3 state: speculate with 2 below the threshold
+    assert [eng.decide(b) for b in (1, 5)] == [2, 0]
+    eng = make(candidates=(1, 3, 7))  # no "off" state (0.5.17's default "1" slot)
+    assert [eng.decide(b) for b in (1, 5, 100)] == [3, 3, 3]
+
+
+def test_settings_from_env():
+    s = PluginSettings.from_env({"SPECCTL_RUNDIR": "/run/x", "SPECCTL_FALLBACK_CONFIG": "s1",
+                                 "SPECCTL_FALLBACK_THRESHOLD": "9", "SPECCTL_TELEMETRY": "none",
+                                 "SPECCTL_STALE_AFTER_S": "3.5", "SPECCTL_SERVER_ID": "a"})
+    assert s.policy_endpoint == "ipc:///run/x/policy.sock" and s.telemetry_endpoint is None
+    assert (s.fallback_config, s.fallback_threshold, s.stale_after_s, s.server_id) == ((1, 1, 2), 9, 3.5, "a")
+    assert PluginSettings.from_env({"SPECCTL_POLICY_FILE": "/p"}).mode == "file"
+    with pytest.raises(ValueError, match="SPECCTL_MODE"):
+        PluginSettings.from_env({"SPECCTL_MODE": "magic"})
+    with pytest.raises(ValueError, match="SPECCTL_"):
+        PluginSettings.from_env({"SPECCTL_SYNC_EVERY": "x"})
+
+
+def test_apply_of_an_explicit_fallback_update():
+    eng = make()
+    eng.apply(PolicyUpdate(PolicyTable.from_rows([(1, None, (1, 1, 2))], source="online", version=5)))
+    assert eng.decide(100) == 1
+    eng.apply(PolicyUpdate(None, "operator said so"))
+    assert eng.decide(100) == 0 and eng.fallback_reason == "operator said so"

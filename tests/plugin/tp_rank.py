@@ -1,0 +1,78 @@
+"""One TP rank for test_sglang_cpu.py's 2-process test: SGLang's real GroupCoordinator on gloo
+(with its shared-memory MessageQueue broadcaster, SGLang's default), the plugin loaded through
+load_plugins(), the stand-in worker around SGLang's AdaptiveController, 3000 decode steps.
+
+usage: tp_rank.py RANK WORLD PORT POLICY_ENDPOINT OUTDIR
+"""
+
+import importlib.util
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+rank, world, port, endpoint, outdir = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], Path(sys.argv[5])
+os.environ.update({"SPECCTL_POLICY": endpoint, "SPECCTL_TELEMETRY": "none", "SPECCTL_SYNC_EVERY": "8",
+                   "SPECCTL_SERVER_ID": "tp-test", "SPECCTL_STALE_AFTER_S": "30"})
+
+import torch.distributed as dist  # noqa: E402
+import sglang.srt.distributed.parallel_state as ps  # noqa: E402
+
+ps.init_distributed_environment(world_size=world, rank=rank, local_rank=rank, backend="gloo",
+                                distributed_init_method=f"tcp://127.0.0.1:{port}")
+tp = ps.init_model_parallel_group([list(range(world))], rank, "gloo", use_pynccl=False,
+                                  use_custom_allreduce=False, use_message_queue_broadcaster=True,
+                                  group_name="tp")
+
+
+def run_scheduler_process():
+    from sglang.srt.plugins import load_plugins
+
+    load_plugins()
+
+
+run_scheduler_process()
+
+from sglang.srt.plugins.hook_registry import HookRegistry, HookType  # noqa: E402
+
+from specctl.plugin import sglang_hooks  # noqa: E402
+
+rt = sglang_hooks.runtime()
+rt.tp_group_fn = lambda: tp
+spec = importlib.util.spec_from_file_location("specctl_sglang_standin", Path(__file__).with_name("sglang_standin.py"))
+st = importlib.util.module_from_spec(spec)
+sys.modules["specctl_sglang_standin"] = st
+spec.loader.exec_module(st)
+HookRegistry.register("specctl_sglang_standin.EAGLEWorkerV2Standin.forward_batch_generation",
+                      sglang_hooks._around_forward, HookType.AROUND)
+HookRegistry.register("specctl_sglang_standin.ResultProcessorStandin._resolve_spec_v2_tokens",
+                      sglang_hooks._after_resolve, HookType.AFTER)
+HookRegistry.apply_hooks()
+
+cfg = outdir / f"adaptive{rank}.json"
+cfg.write_text(json.dumps({"1": {"candidate_steps": [0, 1, 3]}}))
+worker = st.EAGLEWorkerV2Standin(3, str(cfg), lambda it, bs, steps: [min(steps, (it + i) % 3) for i in range(bs)])
+worker.init_cuda_graphs([1, 2, 4, 8, 16, 32])
+eng = worker.adaptive_controller.params.specctl
+assert eng.rank == rank, (eng.rank, rank)
+
+dist.barrier(group=tp.cpu_group)
+if rank == 0:
+    (outdir / "running").write_text("1")
+sizes = [(i * 7) % 13 + 1 for i in range(3000)]
+versions = []
+
+
+def between(it):
+    versions.append(eng.active_version)
+    time.sleep(0.001)
+
+
+st.run_decode(worker, st.ResultProcessorStandin(worker), sizes, between=between)
+dist.barrier(group=tp.cpu_group)
+steps = [worker.used[i][1] for i in range(len(sizes))]
+(outdir / f"rank{rank}.json").write_text(json.dumps({
+    "steps": steps, "versions": versions, "sizes": sizes, "receiver": rt.receiver is not None,
+    "status": eng.status()}))
+print(f"rank {rank}: {eng.status()}", flush=True)
