@@ -308,7 +308,7 @@ class EngineController:
             frag = (',"config":{"steps":%d,"topk":1,"draft_tokens":%d}' % (steps, max(1, draft_tokens))).encode()
             self._config_frag[draft_tokens] = frag
         if draft_tokens > 1 and accepted is not None:
-            acc = b',"accepted":[' + ",".join(map(str, accepted)).encode() + b"]"
+            acc = b',"accepted":[' + _int_list(accepted) + b"]"
         else:
             acc = b""
         ms = float(step_ms)
@@ -402,6 +402,22 @@ def _describe(t: PolicyTable) -> str:
     if t.explore:
         parts.append(f"explore 1/{t.explore_period}")
     return ", ".join(parts)
+
+
+_DIGIT = bytes(range(48, 58)) + bytes(246)  # byte value v < 10 -> ASCII digit
+_BELOW_10 = bytes(range(10))
+_INT_BYTES = [str(i).encode() for i in range(256)]
+
+
+def _int_list(values: list[int]) -> bytes:
+    """`3,1,0,2` for accepted-draft counts: C-speed when all are < 10 (the common case; a per-element
+    Python loop costs ~0.3 us a request, too much at batch 256 on the scheduler thread)."""
+    b = bytes(values)  # ValueError outside 0..255: the caller's telemetry guard turns it off
+    if b.translate(None, _BELOW_10):
+        return b",".join([_INT_BYTES[v] for v in b])
+    out = bytearray(b"," * (2 * len(b) - 1))
+    out[::2] = b.translate(_DIGIT)
+    return bytes(out)
 
 
 def _json_str(s: str) -> str:

@@ -208,3 +208,13 @@ def test_apply_of_an_explicit_fallback_update():
     assert eng.decide(100) == 1
     eng.apply(PolicyUpdate(None, "operator said so"))
     assert eng.decide(100) == 0 and eng.fallback_reason == "operator said so"
+
+
+def test_step_record_accepted_lists_of_every_shape():
+    eng = EngineController(PluginSettings(), candidate_steps=(0, 12))
+    for acc in ([], [0], [9, 0, 9], [12, 3, 10], [i % 13 for i in range(300)]):
+        frame = eng.step_record(iter=3, ts=2.5, batch_size=max(1, len(acc)), draft_tokens=13,
+                                accepted=acc or None, step_ms=1.5)
+        assert json.loads(frame).get("accepted") == (acc or None)
+        if acc:
+            assert frame == wire.encode(wire.decode_step(frame))
