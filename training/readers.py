@@ -199,7 +199,8 @@ def detect_format(path: Path) -> tuple[str, Optional[str]]:
     try:
         try:
             while len(head) < _SNIFF_BYTES:
-                chunk = f.read(_SNIFF_BYTES - len(head))
+                # small reads: a truncated gzip stream still yields what precedes the damage
+                chunk = f.read(min(8192, _SNIFF_BYTES - len(head)))
                 if not chunk:
                     break
                 head += chunk
@@ -394,7 +395,8 @@ class _Stream:
     last_running: Optional[int] = None  # #running-req at the previous decode line
     idle: bool = False  # a prefill started from an empty running batch inside the interval
     saw_switch_line: bool = False
-    before_hint: Optional[Config] = None  # the state before a 'params updated' hint was applied
+    hinted: bool = False  # a 'params updated' hint changed `config` since the last switch line
+    before_hint: Optional[Config] = None  # the state before that hint
 
 
 def _ts(m: re.Match) -> float:
@@ -506,8 +508,8 @@ def read_sglang_log(path: Path, report: FileReport, progress: Optional[Progress]
             a_, b_, c_, d_ = (int(sw.group(x)) for x in "abcd")
             new: Config = OFF if b_ == 0 else (b_, 1, d_)
             old: Config = OFF if a_ == 0 else (a_, 1, c_)
-            base = st.before_hint if st.before_hint is not None else st.config
-            st.before_hint = None
+            base = st.before_hint if st.hinted else st.config
+            st.hinted, st.before_hint = False, None
             if base is not None and base != old:
                 report.note(f"line {lineno}: switch from steps {a_} but the tracked configuration "
                             f"was steps {st.config[0]}")
@@ -526,8 +528,8 @@ def read_sglang_log(path: Path, report: FileReport, progress: Optional[Progress]
             if not st.saw_switch_line:
                 # only the slot decision was logged: take it as the new state until a runtime
                 # switch line (authoritative, carries the draft width) says otherwise
-                if st.before_hint is None:
-                    st.before_hint = st.config
+                if not st.hinted:
+                    st.hinted, st.before_hint = True, st.config
                 st.config = OFF if b_ == 0 else (b_, 1, b_ + 1)
                 st.segment += 1
             report.num_ignored += 1
@@ -553,14 +555,15 @@ def read_sglang_log(path: Path, report: FileReport, progress: Optional[Progress]
             continue
 
         d = _DECODE.match(msg)
+        if d is None:
+            # not SGLang's line (or mangled before #running-req): leave the stream's state alone
+            report.skip(lineno, "unparseable decode line", text)
+            continue
         st = stream(key)
         first = not st.seen_decode
         switches, prefills, prefill_tokens, idle = st.switches, st.prefills, st.prefill_tokens, st.idle
         st.seen_decode = True
         st.switches, st.prefills, st.prefill_tokens, st.idle = [], 0, 0, False
-        if d is None:
-            report.skip(lineno, "unparseable decode line", text)
-            continue
         rest = d.group("rest")
         prev_running, st.last_running = st.last_running, int(d.group("running"))
         tm = _THROUGHPUT.search(rest)
