@@ -48,14 +48,48 @@ def choose(options: Sequence[Option], previous: Optional[PolicyTable] = None,
     g = goodput_matrix(options)
     best = np.argmax(g, axis=0)
     out = [options[i].config for i in best]
+    idx = {o.config: i for i, o in enumerate(options)}
     if previous is not None:
-        idx = {o.config: i for i, o in enumerate(options)}
         for b0 in range(g.shape[1]):
             prev = previous.lookup(b0 + 1)
             j = idx.get(prev)
             if j is not None and g[j, b0] >= g[best[b0], b0] * (1.0 - margin):
                 out[b0] = prev
-    return out
+    return _merge_islands(out, g, idx, margin)
+
+
+def _merge_islands(choices: list[Config], g: np.ndarray, idx: dict[Config, int],
+                   margin: float) -> list[Config]:
+    """Absorb a run of batch sizes into a neighbouring run when the neighbour's configuration
+    is within `margin` of the best over the whole run: near-ties between two configurations
+    (s2 vs s3, say) otherwise fragment the table into noise-driven slivers."""
+    out = list(choices)
+    best = g.max(axis=0)
+    while True:
+        runs = []  # (start, end_exclusive, config)
+        s = 0
+        for i in range(1, len(out) + 1):
+            if i == len(out) or out[i] != out[s]:
+                runs.append((s, i, out[s]))
+                s = i
+        if len(runs) < 2:
+            return out
+        merged = False
+        for k in sorted(range(len(runs)), key=lambda k: runs[k][1] - runs[k][0]):
+            a, e, _ = runs[k]
+            cands = [runs[n][2] for n in (k - 1, k + 1) if 0 <= n < len(runs)]
+            scored = []
+            for c in cands:
+                loss = 1.0 - float(np.min(g[idx[c], a:e] / best[a:e]))
+                if loss <= margin:
+                    scored.append((loss, c))
+            if scored:
+                c = min(scored)[1]
+                out[a:e] = [c] * (e - a)
+                merged = True
+                break
+        if not merged:
+            return out
 
 
 def explore_rows(coverage: dict[Config, Sequence[tuple[int, int, float]]],

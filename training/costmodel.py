@@ -18,6 +18,7 @@ from sklearn.isotonic import IsotonicRegression
 Config = tuple[int, int, int]  # (steps, topk, draft_tokens)
 OFF: Config = (0, 1, 1)
 RING = 32  # recent step times kept per (config, batch size) for the robust median
+MIN_SETTLED = 3  # steady-state values needed before post-switch ones are ignored
 _REBASE_S = 3600.0  # renormalise decayed weights before 2**(age/half_life) overflows
 
 
@@ -68,6 +69,14 @@ class _TimeCell:
 
     weight: float = 0.0  # decayed, in the model's scaled units
     recent: deque = field(default_factory=lambda: deque(maxlen=RING))
+    warm_weight: float = 0.0  # steps right after a configuration switch
+    warm: deque = field(default_factory=lambda: deque(maxlen=RING))
+
+    def settled(self) -> tuple[deque, float]:
+        """The steady-state values if there are enough, else the post-switch ones."""
+        if len(self.recent) >= MIN_SETTLED or not self.warm:
+            return self.recent, self.weight
+        return self.warm, self.warm_weight
 
 
 @dataclass
@@ -134,6 +143,7 @@ class CostModel:
         f = 2.0 ** (-(ts - self.t0_) / self.half_life_s)  # type: ignore[operator]
         for cell in self.times_.values():
             cell.weight *= f
+            cell.warm_weight *= f
         for acc in self.accept_.values():
             acc.hist = [x * f for x in acc.hist]
             acc.mean_sum *= f
@@ -172,34 +182,40 @@ class CostModel:
             return
         key = (s.server, s.rank)
         prev = self.last_config_.get(key)
-        if prev is None or prev[0] != c:
-            self.last_config_[key] = (c, 1)  # type: ignore[assignment]
-            if prev is not None and self.warmup_steps > 0:
-                self.num_warmup_dropped_ += 1
-                return
+        if prev is None:
+            n = self.warmup_steps + 1  # no history: nothing to say it follows a switch
+        elif prev[0] != c:
+            n = 1
         else:
             n = prev[1] + 1
-            self.last_config_[key] = (c, n)  # type: ignore[assignment]
-            if n <= self.warmup_steps:
-                self.num_warmup_dropped_ += 1
-                return
-        self._add_time(c, s.batch_size, w, s.step_ms)  # type: ignore[arg-type]
+        self.last_config_[key] = (c, n)  # type: ignore[assignment]
+        warm = n <= self.warmup_steps
+        if warm:
+            self.num_warmup_dropped_ += 1
+        self._add_time(c, s.batch_size, w, s.step_ms, warm)  # type: ignore[arg-type]
 
-    def _add_time(self, c: Config, batch_size: int, w: float, step_ms: float) -> None:
+    def _add_time(self, c: Config, batch_size: int, w: float, step_ms: float, warm: bool = False) -> None:
         b = min(batch_size, self.max_batch)
         cell = self.times_.get((c, b))
         if cell is None:
             cell = self.times_[(c, b)] = _TimeCell()
-        cell.weight += w
-        cell.recent.append(step_ms)
+        if warm:
+            # kept aside: used only where a configuration never runs long enough to settle
+            # (an engine switching every step pays the switch every step)
+            cell.warm_weight += w
+            cell.warm.append(step_ms)
+        else:
+            cell.weight += w
+            cell.recent.append(step_ms)
 
     # ------------------------------------------------------------------ fitting
 
     def refit(self) -> "CostModel":
         by_config: dict[Config, list[tuple[int, float, float]]] = {}
         for (c, b), cell in self.times_.items():
-            if cell.recent:
-                by_config.setdefault(c, []).append((b, float(np.median(cell.recent)), cell.weight))
+            values, weight = cell.settled()
+            if values:
+                by_config.setdefault(c, []).append((b, float(np.median(values)), weight))
         fits: dict[Config, _TimeFit] = {}
         for c, pts in by_config.items():
             pts.sort()
@@ -298,7 +314,8 @@ class CostModel:
         f = self._now_factor()
         out = []
         for lo, hi in regions(max_batch):
-            wsum = sum(cell.weight for (k, b), cell in self.times_.items() if k == tuple(c) and lo <= b <= hi)
+            wsum = sum(cell.weight + cell.warm_weight for (k, b), cell in self.times_.items()
+                       if k == tuple(c) and lo <= b <= hi)
             out.append((lo, hi, wsum * f))
         return out
 
@@ -324,7 +341,8 @@ class CostModel:
             "kind": "specctl.model", "version": 1,
             "half_life_s": self.half_life_s, "t0": self.t0_, "now": self.now_,
             "num_samples": self.num_samples_, "warmup_dropped": self.num_warmup_dropped_,
-            "times": [[list(c), b, cell.weight, list(cell.recent)] for (c, b), cell in self.times_.items()],
+            "times": [[list(c), b, cell.weight, list(cell.recent), cell.warm_weight, list(cell.warm)]
+                      for (c, b), cell in self.times_.items()],
             "accept": [[list(c), list(a.hist), a.mean_sum, a.mean_weight] for c, a in self.accept_.items()],
         }
 
@@ -336,9 +354,10 @@ class CostModel:
         self.now_ = float(state["now"])
         self.num_samples_ = int(state["num_samples"])
         self.num_warmup_dropped_ = int(state.get("warmup_dropped", 0))
-        for c, b, w, recent in state["times"]:
-            cell = _TimeCell(weight=float(w))
+        for c, b, w, recent, ww, warm in state["times"]:
+            cell = _TimeCell(weight=float(w), warm_weight=float(ww))
             cell.recent.extend(float(x) for x in recent[-RING:])
+            cell.warm.extend(float(x) for x in warm[-RING:])
             self.times_[(tuple(c), int(b))] = cell  # type: ignore[index]
         for c, hist, ms, mw in state["accept"]:
             self.accept_[tuple(c)] = _AcceptCell(hist=[float(x) for x in hist],  # type: ignore[index]

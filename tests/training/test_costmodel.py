@@ -123,3 +123,17 @@ def test_summary_reports_regions_and_uncertainty():
     assert [r["min_batch"] for r in off["regions"]] == [1, 2, 4, 8, 16, 32]
     assert sum(r["samples"] for r in off["regions"]) > 0
     assert s["configs"]["s3"]["accept_rate_by_position"][0] == pytest.approx(0.8, abs=0.03)
+
+
+def test_engine_switching_every_step_still_measures_step_time():
+    # an engine alternating configurations each step never "settles": the post-switch steps ARE
+    # its steady state, and the model must use them rather than end up with nothing
+    rows = []
+    for i in range(4000):
+        c = S3 if i % 2 else OFF
+        b = 1 + (i // 2) % 48
+        ms = (7.0 + 0.3 * b) if c == S3 else (6.0 + 0.02 * b)
+        rows.append(Sample(ts=i * 0.01, config=c, batch_size=b, step_ms=ms, accepted=[2] * b if c == S3 else None))
+    m = CostModel(warmup_steps=2).fit(rows)
+    assert m.predict_step_ms(S3, [10])[0] == pytest.approx(10.0, rel=0.01)
+    assert m.predict_step_ms(OFF, [10])[0] == pytest.approx(6.2, rel=0.01)
