@@ -127,15 +127,15 @@ def _coverage_problems(col: _Collector, table: PolicyTable, min_steps: float) ->
     elif x > 1:
         below = table.lookup(x - 1)
         lo, hi = max(1, x // 2), 2 * x
-        if not measured(OFF, lo, hi):
-            out.append(f"no steps measured with speculation off between batch {lo} and {hi} "
-                       f"(around the fitted spec→off crossover at batch {x}; off measured up to "
-                       f"batch {hi_off})")
-        if not measured(below, lo, hi):
-            bb = col.batches(below)
-            out.append(f"no steps measured with {config_name(below)} between batch {lo} and {hi} "
-                       f"(around the fitted spec→off crossover at batch {x}; {config_name(below)} "
-                       f"measured at batch {bb[0] if bb else '-'}..{bb[-1] if bb else '-'})")
+        for c, what in ((OFF, "speculation off"), (below, config_name(below))):
+            if measured(c, lo, hi):
+                continue
+            bb = col.batches(c)
+            where = (f"above batch {bb[-1]}" if bb and bb[-1] < lo else
+                     f"below batch {bb[0]}" if bb and bb[0] > hi else f"between batch {lo} and {hi}")
+            out.append(f"no steps measured with {what} {where} (the fitted spec→off crossover at "
+                       f"batch {x} rests on extrapolated step times there; measure {what} between "
+                       f"batch {lo} and {hi})")
     else:
         # never speculate: speculation must have been measured at the small batches it favours
         hi = max(2, 2 * low)
@@ -154,7 +154,13 @@ def _bench_override(choices: list[Config], options: list[cmpolicy.Option],
     for p in points:
         d = by_conc.setdefault(p.concurrency, {})
         d[p.config] = max(d.get(p.config, 0.0), p.output_throughput)  # repeated runs: best one
-    pinned = {c: max(d, key=lambda k: d[k]) for c, d in by_conc.items() if len(d) >= 2}
+    allowed = {o.config for o in options}
+    pinned = {}
+    for c, d in by_conc.items():
+        d = {k: v for k, v in d.items() if k in allowed}  # --candidates may rule some out
+        by_conc[c] = d
+        if len(d) >= 2:
+            pinned[c] = max(d, key=lambda k: d[k])
     if not pinned:
         return choices
     out = list(choices)
