@@ -231,7 +231,8 @@ def train(inputs: Sequence[str | Path], *, max_batch: int = 1024,
         return None, report
     mb = svc.table_max_batch()
     options = svc.options(mb)
-    choices = cmpolicy.choose(options, None, 0.0)
+    # the daemon's choice (with its near-tie merging margin), no previous table to stick to
+    choices = cmpolicy.choose(options, None, svc.settings.margin)
     if points:
         choices = _bench_override(choices, options, points, report)
     table = PolicyTable(rows=rows_from_choices(choices), source="file")
