@@ -226,8 +226,10 @@ def detect_format(path: Path) -> tuple[str, Optional[str]]:
             elif _is_bench(obj):
                 votes["bench-serving"] += 1
             continue
-        if _PREFIX.match(text) or "Decode batch, #running-req:" in text:
+        if _PREFIX.match(text):
             votes["sglang-log"] += 1
+        elif "Decode batch" in text and _DECODE.match(text[text.index("Decode batch"):]):
+            votes["sglang-log"] += 1  # a custom logging format
     if not votes:
         if len(lines) == 1 and lines[0].lstrip().startswith("{") and len(head) >= _SNIFF_BYTES:
             # one huge JSON line (bench_serving --output-details): decide on its keys

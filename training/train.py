@@ -45,6 +45,8 @@ class TrainReport:
     max_observed_batch: int = 0
     coverage: dict[str, list[list[float]]] = field(default_factory=dict)  # config -> [[b, steps]]
     measured: dict[Config, dict[int, list[float]]] = field(default_factory=dict, repr=False)
+    # the options the table was chosen from: config -> (tokens per step, step_ms at b = 1..n)
+    curves: dict[Config, tuple[float, np.ndarray]] = field(default_factory=dict, repr=False)
 
     @property
     def ok(self) -> bool:
@@ -233,6 +235,7 @@ def train(inputs: Sequence[str | Path], *, max_batch: int = 1024,
     options = svc.options(mb)
     # the daemon's choice (with its near-tie merging margin), no previous table to stick to
     choices = cmpolicy.choose(options, None, svc.settings.margin)
+    report.curves = {o.config: (o.tokens_per_step, o.step_ms) for o in options}
     if points:
         choices = _bench_override(choices, options, points, report)
     table = PolicyTable(rows=rows_from_choices(choices), source="file")
@@ -324,39 +327,48 @@ def report_markdown(report: TrainReport, policy: Optional[wire.PolicyRecord]) ->
     return "\n".join(L)
 
 
-def plot_fit(report: TrainReport, policy: Optional[wire.PolicyRecord], path: str | Path,
-             model: Any = None) -> None:
-    """Measured step times (median per batch size) and predicted step time per configuration;
-    goodput from the fit summary with the table's ranges. Needs matplotlib (extra `plot`)."""
+def plot_fit(report: TrainReport, policy: Optional[wire.PolicyRecord], path: str | Path) -> None:
+    """Left: measured step times (median per batch size) and the fitted curves. Right: predicted
+    goodput relative to plain decode, with the table's ranges shaded. Needs matplotlib."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    colors: dict[Config, Any] = {}
+    cycle = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for i, c in enumerate(sorted(set(report.measured) | set(report.curves))):
+        colors[c] = cycle[i % len(cycle)]
+    top = max(2, 2 * report.max_observed_batch)
     for c in sorted(report.measured):
         pts = sorted(report.measured[c].items())
-        b = np.array([p[0] for p in pts], dtype=float)
-        t = np.array([float(np.median(p[1])) for p in pts])
-        ax1.scatter(b, t, s=14, label=f"{config_name(c)} measured")
+        ax1.scatter([p[0] for p in pts], [float(np.median(p[1])) for p in pts], s=14,
+                    color=colors[c], label=f"{config_name(c)} measured")
+    off = report.curves.get(OFF)
+    for c, (tau, ms) in sorted(report.curves.items()):
+        n = min(len(ms), top)
+        b = np.arange(1, n + 1)
+        ax1.plot(b, ms[:n], "--", color=colors[c], label=f"{config_name(c)} fit")
+        if off is not None:
+            ax2.plot(b, tau / ms[:n] / (1.0 / off[1][:n]), color=colors[c],
+                     label=f"{config_name(c)} (tokens/step {tau:.2f})")
     if policy is not None:
-        for name, pts in policy.model.get("predicted_step_ms", {}).items():
-            if pts:
-                ax1.plot([p[0] for p in pts], [p[1] for p in pts], "--", label=f"{name} fit")
-        for name, pts in policy.model.get("predicted_goodput_tok_s", {}).items():
-            if pts:
-                ax2.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", ms=3, label=name)
-        x = report.crossover
-        if x is not None:
-            ax2.axvline(x, color="k", ls=":", label=f"spec→off at {x}")
+        for r in policy.table:
+            hi = top if r.max_batch is None else r.max_batch + 0.5
+            ax2.axvspan(r.min_batch - 0.5 if r.min_batch > 1 else 1, hi, alpha=0.08,
+                        color=colors.get(r.config.key, "grey"))
+    if report.crossover is not None:
+        ax2.axvline(report.crossover, color="k", ls=":", label=f"spec→off at {report.crossover}")
     for ax in (ax1, ax2):
         ax.set_xscale("log", base=2)
         ax.set_xlabel("batch size")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     ax1.set_ylabel("step time (ms)")
-    ax2.set_ylabel("predicted goodput (tokens/s)")
-    fig.suptitle("specctl train: cost-model fit")
+    ax2.set_ylabel("predicted goodput / plain decode's")
+    fig.suptitle(f"specctl train: {report.num_samples} samples"
+                 + ("" if policy is not None else " (no policy: too little evidence)"))
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
