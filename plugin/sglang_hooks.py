@@ -356,9 +356,14 @@ def _after_resolve(ret: Any, processor: Any, result: Any, batch: Any, *args: Any
 
 
 def _sglang_tp_group() -> Any:
+    import warnings
+
     from sglang.srt.distributed.parallel_state import get_tp_group
 
-    return get_tp_group()
+    with warnings.catch_warnings():
+        # 0.5.22+ deprecate it for get_parallel().tp_group, which it returns; 0.5.17 has only this
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return get_tp_group()
 
 
 def _default_timer() -> Any:

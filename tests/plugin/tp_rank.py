@@ -38,8 +38,18 @@ from sglang.srt.plugins.hook_registry import HookRegistry, HookType  # noqa: E40
 
 from specctl.plugin import sglang_hooks  # noqa: E402
 
+# make `tp` SGLang's TP group, where the plugin's default accessor looks for it
+ps._TP = tp  # <= 0.5.19: get_tp_group() returns this module global
+try:
+    found = sglang_hooks._sglang_tp_group()
+except RuntimeError:  # 0.5.22+: it reads the runtime context, not written yet
+    found = None
+if found is not tp:
+    from sglang.srt.runtime_context import get_parallel
+
+    get_parallel().override_permanently(tp_group=tp)
+assert sglang_hooks._sglang_tp_group() is tp
 rt = sglang_hooks.runtime()
-rt.tp_group_fn = lambda: tp
 spec = importlib.util.spec_from_file_location("specctl_sglang_standin", Path(__file__).with_name("sglang_standin.py"))
 st = importlib.util.module_from_spec(spec)
 sys.modules["specctl_sglang_standin"] = st
