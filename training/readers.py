@@ -1,10 +1,6 @@
-"""Turn benchmark logs into cost-model `Sample`s: SGLang server logs, `sglang.bench_serving` result
-JSONL and specctl telemetry JSONL (plain or gzip). The format is detected per file; every file
-gets a `FileReport` (lines used / skipped by reason, with bounded line-numbered examples).
-
-Nothing in here raises on bad input: garbage lines, truncated or corrupt gzip streams and unknown
-formats end up in the report, and whatever could be read before the damage is kept.
-"""
+"""Benchmark logs -> cost-model `Sample`s: SGLang server logs, bench_serving result JSONL, specctl
+telemetry JSONL(.gz); format detected per file, a `FileReport` per file (used / skipped by reason,
+line-numbered examples). Bad input is reported, never raised; what precedes damage is kept."""
 
 from __future__ import annotations
 

@@ -1,9 +1,6 @@
-"""`specctl train`: fit the daemon's cost model to benchmark logs and derive a policy file.
-
-Inputs of any supported format are mixed into one model (training/readers.py); the model, the
-options and the table come from the same `ControllerService` code the daemon runs, with no time
-decay. bench_serving sweeps then pin the best MEASURED configuration at every swept concurrency.
-"""
+"""`specctl train`: the daemon's cost model (same `ControllerService` path, no time decay) fitted to
+benchmark logs of any mix of formats, then the policy table; bench_serving sweeps pin the best
+MEASURED configuration at every swept concurrency."""
 
 from __future__ import annotations
 
@@ -18,7 +15,7 @@ import numpy as np
 
 from ..controller import wire
 from ..policies import costmodel as cmpolicy
-from ..policies.table import OFF, Config, PolicyTable, config_name, config_to_obj, rows_from_choices
+from ..policies.table import OFF, Config, PolicyTable, config_name, rows_from_choices
 from .costmodel import Sample
 from .readers import BenchPoint, FileReport, Progress, expand_inputs, read_file
 
@@ -375,4 +372,4 @@ def plot_fit(report: TrainReport, policy: Optional[wire.PolicyRecord], path: str
 
 
 __all__ = ["train", "TrainReport", "BenchChoice", "report_markdown", "plot_fit",
-           "DEFAULT_MIN_STEPS", "config_to_obj"]
+           "DEFAULT_MIN_STEPS"]
