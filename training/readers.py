@@ -713,6 +713,13 @@ def _bench_config(info: dict) -> tuple[Optional[Config], Optional[str]]:
     return (steps, topk, draft), None
 
 
+def _running_cap(info: dict) -> Optional[int]:
+    if "decode" in info and isinstance(info["decode"], list) and info["decode"]:
+        info = info["decode"][0] if isinstance(info["decode"][0], dict) else {}
+    v = info.get("max_running_requests")
+    return v if isinstance(v, int) and not isinstance(v, bool) and v > 0 else None
+
+
 def _num(obj: dict, key: str) -> Optional[float]:
     v = obj.get(key)
     if isinstance(v, bool) or not isinstance(v, (int, float)):
@@ -723,7 +730,8 @@ def _num(obj: dict, key: str) -> Optional[float]:
 
 def read_bench_serving(path: Path, report: FileReport, progress: Optional[Progress] = None
                        ) -> Iterator[Sample]:
-    """One sample per run: batch size = max_concurrency, step_ms = median TPOT x accept length
+    """One sample per run: batch size = max_concurrency (capped at the server's
+    max_running_requests), step_ms = median TPOT x accept length
     (tokens per step per request; 1 without speculation), weight = decode steps the run stands
     for. Each run also gives a `BenchPoint` (its output throughput) for the table's
     best-measured choice at every swept concurrency.
@@ -782,10 +790,18 @@ def read_bench_serving(path: Path, report: FileReport, progress: Optional[Progre
         if tpot is None or tpot <= 0:
             report.note(f"line {lineno}: no median_tpot_ms: used for the measured-best choice only")
             continue
+        batch = conc
+        mrr = _running_cap(info)
+        if mrr is not None and mrr < conc:
+            # the server never ran more than max_running_requests at once (SGLang defaults it to
+            # 48 with speculation), whatever concurrency the client offered
+            batch = mrr
+            report.note(f"line {lineno}: max_concurrency {conc} above the server's "
+                        f"max_running_requests {mrr}: batch size {mrr} for the cost model")
         out_tokens = _num(obj, "total_output_tokens") or 0.0
-        steps = max(1.0, out_tokens / (tau * conc))
+        steps = max(1.0, out_tokens / (tau * batch))
         report.num_samples += 1
-        yield Sample(ts=0.0, config=cfg, batch_size=conc, step_ms=tpot * tau, weight=steps,
+        yield Sample(ts=0.0, config=cfg, batch_size=batch, step_ms=tpot * tau, weight=steps,
                      mean_accepted=None if cfg == OFF else tau - 1.0,
                      # each run is its own measurement (no switch warm-up between runs)
                      server=f"{path.name}#{lineno}", rank=0)

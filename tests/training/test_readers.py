@@ -329,6 +329,17 @@ def test_bench_serving_pd_server_info_and_missing_accept_length(tmp_path):
     assert any("no accept_length" in n for n in rep.notes)
 
 
+def test_bench_serving_batch_capped_by_max_running_requests(tmp_path):
+    g = _gen()
+    r = g.bench_result("0.5.23", S3, 128, step_ms=20.0, tau=2.5)
+    r["server_info"]["max_running_requests"] = 48  # SGLang's default with speculation
+    p = tmp_path / "b.jsonl"
+    p.write_text(json.dumps(r) + "\n")
+    samples, rep = read(p)
+    assert samples[0].batch_size == 48 and rep.bench_points[0].concurrency == 128
+    assert any("max_running_requests 48" in n for n in rep.notes)
+
+
 # ------------------------------------------------------------------------- telemetry
 
 
