@@ -178,16 +178,16 @@ class PluginRuntime:
 
     # ---------------------------------------------------------------- per step
 
-    def on_forward(self, orig: Callable[..., Any], worker: Any, batch: Any, *args: Any, **kwargs: Any) -> Any:
+    def on_forward(self, orig: Callable[..., Any], worker: Any, *args: Any, **kwargs: Any) -> Any:
         timer = self.timer
         mark = None
-        if timer is not None:
-            try:
-                if not (batch.forward_mode.is_extend() or batch.is_extend_in_batch):
-                    mark = timer.start()
-            except Exception as e:  # noqa: BLE001
-                self._disable_timing(e)
-        out = orig(worker, batch, *args, **kwargs)
+        try:
+            batch = args[0] if args else kwargs["batch"]
+            if not (batch.forward_mode.is_extend() or batch.is_extend_in_batch):
+                mark = timer.start()
+        except Exception as e:  # noqa: BLE001
+            self._disable_timing(e)
+        out = orig(worker, *args, **kwargs)
         if mark is not None:
             try:
                 out._specctl_timing = timer.stop(mark)
@@ -338,17 +338,19 @@ def runtime() -> Optional[PluginRuntime]:
     return _RUNTIME
 
 
-def _around_forward(orig: Callable[..., Any], worker: Any, batch: Any, *args: Any, **kwargs: Any) -> Any:
+def _around_forward(orig: Callable[..., Any], worker: Any, *args: Any, **kwargs: Any) -> Any:
     rt = _RUNTIME
     if rt is None or rt.timer is None:
-        return orig(worker, batch, *args, **kwargs)
-    return rt.on_forward(orig, worker, batch, *args, **kwargs)
+        return orig(worker, *args, **kwargs)
+    return rt.on_forward(orig, worker, *args, **kwargs)
 
 
-def _after_resolve(ret: Any, processor: Any, result: Any, batch: Any, *args: Any, **kwargs: Any) -> None:
+def _after_resolve(ret: Any, processor: Any, *args: Any, **kwargs: Any) -> None:
     rt = _RUNTIME
     if rt is not None:
         try:
+            result = args[0] if args else kwargs["result"]
+            batch = args[1] if len(args) > 1 else kwargs["batch"]
             rt.on_result(processor, result, batch)
         except Exception as e:  # noqa: BLE001
             rt.warn_once(f"result hook error: {type(e).__name__}: {e}")

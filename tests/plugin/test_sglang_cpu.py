@@ -322,3 +322,31 @@ def test_two_gloo_ranks_make_identical_choices_while_policies_land_mid_run(tmp_p
         want = PolicyTable.from_rows([(a, b, chain(s)) for a, b, s in tables[v]]).lookup(bs)[0] \
             if v is not None else (3 if bs < 5 else 0)
         assert steps == want
+
+
+def test_file_mode_and_off_mode_through_register(tmp_path):
+    pol = tmp_path / "policy.json"
+    pol.write_bytes(policy_frame(5, [(1, 6, 1), (7, None, 0)], source="file"))
+    (tmp_path / "adaptive.json").write_text(json.dumps({"1": {"candidate_steps": [0, 1, 3]}}))
+    code = f"""
+        import importlib.util, json, sys
+        from sglang.srt.plugins import load_plugins
+        def run_scheduler_process():
+            load_plugins()
+        run_scheduler_process()
+        import sglang.srt.speculative.adaptive_spec_params as asp
+        if asp.AdaptiveSpeculativeParams.__name__ != "SpecctlSpeculativeParams":
+            print(json.dumps({{"cls": asp.AdaptiveSpeculativeParams.__name__}})); sys.exit(0)
+        spec = importlib.util.spec_from_file_location("st", {str(HERE / "sglang_standin.py")!r})
+        st = importlib.util.module_from_spec(spec); spec.loader.exec_module(st)
+        w = st.EAGLEWorkerV2Standin(3, {str(tmp_path / "adaptive.json")!r}, lambda it, bs, s: [0] * bs)
+        w.init_cuda_graphs([1, 2, 4, 8])
+        st.run_decode(w, st.ResultProcessorStandin(w), [1, 6, 7, 30, 2])
+        eng = w.adaptive_controller.params.specctl
+        print(json.dumps({{"cls": "SpecctlSpeculativeParams", "steps": [w.used[i][1] for i in range(5)],
+                          "source": eng.active_source, "version": eng.active_version}}))
+    """
+    got = _run_py(code, {"SPECCTL_POLICY_FILE": str(pol), "SPECCTL_TELEMETRY": "none"})
+    assert got == {"cls": "SpecctlSpeculativeParams", "steps": [1, 1, 0, 0, 1], "source": "file", "version": 5}
+    got = _run_py(code, {"SPECCTL_MODE": "off"})
+    assert got == {"cls": "AdaptiveSpeculativeParams"}
