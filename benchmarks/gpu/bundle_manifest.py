@@ -1,0 +1,155 @@
+"""Manifest of the GPU bundle: every artifact, its parts, their sizes and sha256, and the sha256 of the
+joined artifact. Stdlib only (runs here and on the GPU machine).
+
+  python3 bundle_manifest.py write BUNDLE_DIR            -> BUNDLE_DIR/MANIFEST.json
+  python3 bundle_manifest.py stash BUNDLE_DIR STASH_DIR  -> copies the parts present into STASH_DIR after
+        checking each one's sha256; joins every artifact whose parts are all there, checks the joined
+        sha256, prints one JSON line per artifact ({"artifact", "state": complete|partial|missing, ...})
+  python3 bundle_manifest.py status STASH_DIR            -> the same report from STASH_DIR alone
+
+An artifact named X is either the single file X or the parts X.part00, X.part01, ... (split -d -a 2).
+"""
+import hashlib
+import json
+import os
+import re
+import shutil
+import sys
+import time
+
+SCHEMA = "specctl.gpubundle/1"
+PART_RE = re.compile(r"^(?P<base>.+)\.part(?P<idx>\d{2,})$")
+SKIP_DIRS = {"wheels", "cache"}
+SKIP_FILES = {"MANIFEST.json"}
+
+
+def sha256_of(paths, bufsize=1 << 20):
+    h = hashlib.sha256()
+    for p in paths:
+        with open(p, "rb") as f:
+            while True:
+                b = f.read(bufsize)
+                if not b:
+                    break
+                h.update(b)
+    return h.hexdigest()
+
+
+def group_files(names):
+    """{artifact: [part file names in order]} from a list of file names."""
+    groups = {}
+    for n in sorted(names):
+        m = PART_RE.match(n)
+        if m:
+            groups.setdefault(m.group("base"), []).append((int(m.group("idx")), n))
+        else:
+            groups.setdefault(n, []).append((-1, n))
+    out = {}
+    for base, items in groups.items():
+        items.sort()
+        if len(items) > 1 and any(i < 0 for i, _ in items):
+            raise ValueError(f"{base}: both a whole file and parts")
+        idx = [i for i, _ in items]
+        if idx[0] >= 0 and idx != list(range(len(idx))):
+            raise ValueError(f"{base}: parts not numbered 00..{len(idx)-1:02d}: {idx}")
+        out[base] = [n for _, n in items]
+    return out
+
+
+def build_manifest(bundle_dir):
+    names = [n for n in os.listdir(bundle_dir)
+             if os.path.isfile(os.path.join(bundle_dir, n)) and n not in SKIP_FILES and not n.startswith(".")]
+    arts = {}
+    for base, parts in group_files(names).items():
+        paths = [os.path.join(bundle_dir, p) for p in parts]
+        arts[base] = {
+            "parts": [{"name": p, "bytes": os.path.getsize(q), "sha256": sha256_of([q])} for p, q in zip(parts, paths)],
+            "bytes": sum(os.path.getsize(q) for q in paths),
+            "sha256": sha256_of(paths),
+        }
+    return {"schema": SCHEMA, "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "artifacts": arts}
+
+
+def load_manifest(path):
+    m = json.load(open(path))
+    if m.get("schema") != SCHEMA:
+        raise ValueError(f"unknown manifest schema {m.get('schema')!r}")
+    return m
+
+
+def stash(bundle_dir, stash_dir, manifest=None):
+    """Copy verified parts from bundle_dir into stash_dir; join complete artifacts. Returns report rows."""
+    os.makedirs(stash_dir, exist_ok=True)
+    if manifest is None:
+        src = os.path.join(bundle_dir, "MANIFEST.json") if bundle_dir else None
+        if src and os.path.exists(src):
+            shutil.copy(src, os.path.join(stash_dir, "MANIFEST.json"))
+        manifest = load_manifest(os.path.join(stash_dir, "MANIFEST.json"))
+    rows = []
+    for art, info in sorted(manifest["artifacts"].items()):
+        joined = os.path.join(stash_dir, art)
+        if os.path.exists(joined) and os.path.exists(joined + ".ok"):
+            rows.append({"artifact": art, "state": "complete", "path": joined, "bytes": info["bytes"]})
+            continue
+        have, bad = [], []
+        for p in info["parts"]:
+            dst = os.path.join(stash_dir, p["name"])
+            if not os.path.exists(dst) and bundle_dir and os.path.exists(os.path.join(bundle_dir, p["name"])):
+                src = os.path.join(bundle_dir, p["name"])
+                if os.path.getsize(src) != p["bytes"] or sha256_of([src]) != p["sha256"]:
+                    bad.append(p["name"])
+                    continue
+                shutil.copy(src, dst + ".tmp")
+                os.replace(dst + ".tmp", dst)
+            if os.path.exists(dst):
+                have.append(p["name"])
+        row = {"artifact": art, "have": len(have), "of": len(info["parts"])}
+        if bad:
+            row["bad_parts"] = bad
+        if len(have) == len(info["parts"]):
+            paths = [os.path.join(stash_dir, p["name"]) for p in info["parts"]]
+            if len(paths) == 1 and paths[0] == joined:
+                ok = sha256_of([joined]) == info["sha256"]
+            else:
+                with open(joined + ".tmp", "wb") as out:
+                    for q in paths:
+                        with open(q, "rb") as f:
+                            shutil.copyfileobj(f, out, 1 << 22)
+                ok = sha256_of([joined + ".tmp"]) == info["sha256"]
+                if ok:
+                    os.replace(joined + ".tmp", joined)
+                    for q in paths:
+                        os.remove(q)
+            if ok:
+                open(joined + ".ok", "w").write(info["sha256"] + "\n")
+                row.update(state="complete", path=joined, bytes=info["bytes"])
+            else:
+                row.update(state="corrupt")
+        else:
+            row["state"] = "partial" if have else "missing"
+        rows.append(row)
+    return rows
+
+
+def main(argv):
+    if len(argv) < 2:
+        print(__doc__)
+        return 2
+    cmd = argv[1]
+    if cmd == "write":
+        m = build_manifest(argv[2])
+        json.dump(m, open(os.path.join(argv[2], "MANIFEST.json"), "w"), indent=1)
+        for a, i in m["artifacts"].items():
+            print(f"{a}: {len(i['parts'])} part(s), {i['bytes']/2**20:.1f} MiB, sha256 {i['sha256'][:16]}")
+        return 0
+    if cmd in ("stash", "status"):
+        rows = stash(argv[2], argv[3]) if cmd == "stash" else stash(None, argv[2])
+        for r in rows:
+            print(json.dumps(r))
+        return 1 if any(r["state"] == "corrupt" or r.get("bad_parts") for r in rows) else 0
+    print(__doc__)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))
