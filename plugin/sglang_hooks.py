@@ -160,13 +160,14 @@ class PluginRuntime:
 
             patched = set(HookRegistry._patched)
         except Exception as e:  # noqa: BLE001
-            patched = set()
-            self.hook_problems = [f"cannot read SGLang's hook registry: {e}"]
+            self.hook_problems = [f"cannot read SGLang's hook registry ({type(e).__name__}: {e})"]
+            log.error("specctl: %s: hooks unverified", self.hook_problems[0])
+            return self.hook_problems
         consequence = {
             self.targets.policy: "specctl is not deciding anything (SGLang's own policy runs)",
             self.targets.forward: "no CUDA-event step time; step_ms falls back to the launch cadence",
-            self.targets.result: ("no telemetry and no TP policy sync: the server stays on the "
-                                  "fixed-threshold fallback"),
+            self.targets.result: ("no telemetry and no TP policy sync: daemon policies never apply "
+                                  "(fallback, or the policy file)"),
         }
         self.hook_problems = [f"hook on {t} did not take effect: {why}"
                               for t, why in consequence.items() if t not in patched]
