@@ -381,3 +381,70 @@ def test_a_huge_garbage_line_is_skipped_not_loaded(tmp_path, monkeypatch):
     samples, rep = read(p)
     assert rep.skipped["line_too_long"] == 1 and rep.examples["line_too_long"][0][0] == 6
     assert len(samples) == 19
+
+
+# ------------------------------------------------------------------------- SGLang's own code
+
+
+def _real():
+    if "sglang_real" in sys.modules:
+        return sys.modules["sglang_real"]
+    spec = importlib.util.spec_from_file_location("sglang_real", FIX / "sglang_real.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["sglang_real"] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.parametrize("version", ["0.5.17", "0.5.23"])
+def test_lines_from_sglangs_own_reporter_code(tmp_path, version):
+    """report_decode_stats / report_prefill_stats and the switch f-strings, lifted from the wheel
+    (scripts/setup_sglang_cpu.sh's venvs) and run on stand-ins: what the reader gets back is the
+    scripted step time, with the interval that switched configuration dropped."""
+    real = _real()
+    src = real.find_sources(version)
+    if src is None:
+        pytest.skip(f"no sglang {version} sources (run scripts/setup_sglang_cpu.sh)")
+    g = _gen()
+    rep_ = real.Reporter(src, spec_steps=3, draft_tokens=4, interval=10)
+    pre = "[2026-11-29 12:00:00 TP0]"
+    out = [f"[2026-11-29 11:59:00] {g.server_args_msg(version, S3, adaptive=True, decode_log_interval=10)}"]
+    out += [f"{pre} {m}" for m in rep_.prefill(8, 800, 0, 20.0)]
+    out += [f"{pre} {m}" for m in rep_.decode_steps(8, [12] * 10, 11.0)]  # first: dropped
+    out += [f"{pre} {m}" for m in rep_.decode_steps(8, [12] * 10, 11.0)]  # s3 at 11 ms
+    out += [f"{pre} {m}" for m in rep_.decode_steps(8, [12] * 4, 11.0)]
+    out.append(f"{pre} {real.updated_line(src, 3, 1, 1.4)}")
+    out.append(f"{pre} {real.switch_line(src, (3, 4), (1, 2))}")
+    rep_.set_draft_tokens(1, 2)
+    out += [f"{pre} {m}" for m in rep_.decode_steps(8, [6] * 6, 8.0)]  # mixed: dropped
+    out += [f"{pre} {m}" for m in rep_.decode_steps(8, [6] * 10, 8.0)]  # s1 at 8 ms
+    out += [f"{pre} {m}" for m in rep_.decode_steps(8, [6] * 10, 8.0)]
+    assert sum("Decode batch" in ln for ln in out) == 5
+    samples, rep = read(write_log(tmp_path, out))
+    assert rep.skipped["configuration changed inside the interval"] == 1
+    assert rep.skipped["first interval of a server (spans start-up and idle time)"] == 1
+    assert [(s.config, round(s.step_ms, 2)) for s in samples] == [(S3, 11.0), (S1, 8.0), (S1, 8.0)]
+    assert samples[0].mean_accepted == pytest.approx(1.5, abs=0.01)
+    assert samples[1].mean_accepted == pytest.approx(0.75, abs=0.01)
+    # plain decode server: no accept fields at all
+    off = real.Reporter(src, interval=10)
+    lines = [f"{pre} {m}" for m in off.decode_steps(16, [0] * 20, 6.5)]
+    samples, rep = read(write_log(tmp_path, lines, "off.log"))
+    assert [(s.config, round(s.step_ms, 2)) for s in samples] == [(OFF, 6.5)]
+
+
+@pytest.mark.parametrize("version", ["0.5.17", "0.5.23"])
+def test_the_fixture_generator_writes_what_sglang_writes(version):
+    real = _real()
+    src = real.find_sources(version)
+    if src is None:
+        pytest.skip(f"no sglang {version} sources (run scripts/setup_sglang_cpu.sh)")
+    g = _gen()
+    r = real.Reporter(src, spec_steps=3, draft_tokens=4, interval=5)
+    got = r.decode_steps(6, [4, 5, 6, 7, 8], 9.0, tokens_in_use=4321, usage=0.37)
+    thr = (5 * 6 + 30) / 0.045
+    assert got == [g.decode_msg(6, 4321, 0.37, (60 / 30, 30 / (30 * 3)), thr)]
+    # input throughput counts from the previous prefill line: 45 ms of decode + 2 ms of prefill
+    assert r.prefill(3, 456, 6, 2.0) == [g.prefill_msg(3, 456, 6, 0.37, input_tput=456 / 0.047)]
+    assert real.switch_line(src, (0, 1), (3, 4)) == g.switch_msg(0, 3)
+    assert real.updated_line(src, 0, 3, 2.5) == g.updated_msg(0, 3, 2.5)
