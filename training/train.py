@@ -89,14 +89,29 @@ class _Collector:
 
 
 def _service(max_batch: int, candidates: Optional[Sequence[Config]], clock: Callable[[], float]):
+    import dataclasses
+
     from ..controller.service import ControllerService, ServiceSettings
 
-    settings = ServiceSettings(
-        mode="online", half_life_s=math.inf,  # offline: every logged step counts the same
-        explore_period=0, max_batch=max_batch,
-        candidates=tuple(tuple(c) for c in candidates) if candidates else None,  # type: ignore[misc]
+    kw: dict[str, Any] = dict(
+        mode="online", explore_period=0, max_batch=max_batch,
+        candidates=tuple(tuple(c) for c in candidates) if candidates else None,
     )
-    return ControllerService(settings, clock=clock)
+    # offline, every logged step and request counts the same: no time decay of any memory
+    for f in dataclasses.fields(ServiceSettings):
+        if f.name.endswith("half_life_s"):
+            kw[f.name] = math.inf
+    return ControllerService(ServiceSettings(**kw), clock=clock)
+
+
+def _evidence_problem(options: list[cmpolicy.Option]) -> Optional[str]:
+    have = {o.config for o in options}
+    if OFF not in have:
+        return "no steps measured with speculation off"
+    if not any(c[0] > 0 for c in have):
+        return ("no steps measured with speculation on (a configuration with steps > 0 needs both "
+                "step times and acceptance)")
+    return None
 
 
 def _coverage_problems(col: _Collector, table: PolicyTable, min_steps: float) -> list[str]:
@@ -225,11 +240,12 @@ def train(inputs: Sequence[str | Path], *, max_batch: int = 1024,
         return None, report
 
     svc.refit()
-    if svc.evidence is not None:
-        report.missing.append(svc.evidence)
-        return None, report
     mb = svc.table_max_batch()
     options = svc.options(mb)
+    problem = _evidence_problem(options)
+    if problem is not None:
+        report.missing.append(problem)
+        return None, report
     # the daemon's choice (with its near-tie merging margin), no previous table to stick to
     choices = cmpolicy.choose(options, None, svc.settings.margin)
     report.curves = {o.config: (o.tokens_per_step, o.step_ms) for o in options}
