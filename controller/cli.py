@@ -72,12 +72,14 @@ def main(log_level: str) -> None:
 @click.option("--publish", help="Policy endpoint to bind (PUB). Default: ipc in the runtime dir.")
 @click.option("--status", "status_ep", help="Status endpoint to bind (REP). Default: ipc in the runtime dir.")
 @click.option("--state-dir", type=click.Path(file_okay=False), help="Where policy and model state persist.")
-@click.option("--refit-interval", default=5.0, show_default=True, type=click.FloatRange(min=0.01),
+@click.option("--refit-interval", default=1.0, show_default=True, type=click.FloatRange(min=0.01),
               help="Seconds between refits.")
 @click.option("--heartbeat", default=2.0, show_default=True, type=click.FloatRange(min=0.01),
               help="Seconds between re-publications of an unchanged policy.")
 @click.option("--half-life", default=600.0, show_default=True, type=click.FloatRange(min=1.0),
-              help="Seconds after which a measurement counts half.")
+              help="Seconds after which a step-time measurement counts half.")
+@click.option("--accept-half-life", default=30.0, show_default=True, type=click.FloatRange(min=1.0),
+              help="Seconds after which an acceptance measurement counts half.")
 @click.option("--mode", type=click.Choice(["online", "fixed"]), default="online", show_default=True)
 @click.option("--threshold", default=5, show_default=True, type=click.IntRange(min=1),
               help="Fixed mode and fallback: plain decode from this batch size up.")
@@ -102,7 +104,8 @@ def main(log_level: str) -> None:
 @click.option("--shed-when-behind", is_flag=True,
               help="When telemetry arrives faster than it can be fitted, fit every other record "
                    "(counted as shed) instead of back-pressuring the senders.")
-def serve(telemetry, publish, status_ep, state_dir, refit_interval, heartbeat, half_life, mode,
+def serve(telemetry, publish, status_ep, state_dir, refit_interval, heartbeat, half_life,
+          accept_half_life, mode,
           threshold, fixed_config, configs, explore_period, metrics_port, metrics_host, init_policy,
           record, record_max_mb, curve_secret_key, curve_allowed_dir, insecure,
           shed_when_behind) -> None:
@@ -119,7 +122,8 @@ def serve(telemetry, publish, status_ep, state_dir, refit_interval, heartbeat, h
     try:
         svc_settings = ServiceSettings(mode=mode, threshold=threshold, fixed_config=fixed_config,
                                        refit_interval_s=refit_interval, heartbeat_s=heartbeat,
-                                       half_life_s=half_life, candidates=configs,
+                                       half_life_s=half_life, accept_half_life_s=accept_half_life,
+                                       candidates=configs,
                                        explore_period=explore_period)
     except ValueError as e:
         raise click.UsageError(str(e)) from None

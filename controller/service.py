@@ -29,9 +29,12 @@ class ServiceSettings:
     mode: str = "online"  # online | fixed
     threshold: int = DEFAULT_THRESHOLD
     fixed_config: Config = DEFAULT_CONFIG
-    refit_interval_s: float = 5.0
+    refit_interval_s: float = 1.0
     heartbeat_s: float = 2.0
-    half_life_s: float = 600.0
+    half_life_s: float = 600.0  # step-time memory (hardware: slow to change)
+    accept_half_life_s: float = 30.0  # acceptance memory (traffic: shifts within a minute)
+    # below this many (decayed) requests, acceptance is re-measured by exploring a chain
+    min_accept_samples: float = 64.0
     warmup_steps: int = 2
     # configurations the engines have runtime states for; None = those seen in telemetry + off
     candidates: Optional[tuple[Config, ...]] = None
@@ -70,7 +73,9 @@ class ControllerService:
         self.store = store
         self.metrics = metrics or Metrics()
         self.recorder = recorder
-        self.model = CostModel(half_life_s=settings.half_life_s, warmup_steps=settings.warmup_steps,
+        self.model = CostModel(half_life_s=settings.half_life_s,
+                               accept_half_life_s=settings.accept_half_life_s,
+                               warmup_steps=settings.warmup_steps,
                                min_region_samples=settings.min_region_samples)
         self.model.fit([])
         self.servers: dict[str, ServerStats] = {}
@@ -198,9 +203,9 @@ class ControllerService:
             return "no telemetry yet"
         have = {o.config for o in options}
         if OFF not in have:
-            return "no steps measured with speculation off"
+            return "partial: no steps measured with speculation off"
         if not any(c[0] > 0 for c in have):
-            return "no steps measured with speculation on (with acceptance)"
+            return "partial: no steps measured with speculation on (with acceptance)"
         return None
 
     def refit(self) -> bool:
@@ -214,10 +219,15 @@ class ControllerService:
         self.evidence = self._evidence_problem(options)
         explore = self._explore_rows()
         current = PolicyTable.from_policy_obj(wire.to_obj(self.policy))
-        if self.evidence is None:
+        if self.evidence is None or (options and self.settings.mode == "online"
+                                     and self.model.num_samples_ > 0):
+            # with partial evidence (say, plain decode never measured yet) the configurations
+            # that were measured compete where the base table uses one of them; elsewhere the
+            # base table's choice stays
+            base = None if self.evidence is None else current
             table = cmpolicy.derive(options, previous=current if self.policy.source == "online" else None,
                                     margin=self.settings.margin, explore=explore,
-                                    explore_period=self.settings.explore_period)
+                                    explore_period=self.settings.explore_period, default=base)
             source = "online"
         elif self.policy.source == "online":
             # A learned table outlives a thin window (e.g. right after a restart): keep it
@@ -259,9 +269,16 @@ class ControllerService:
                 coverage[c] = self.model.region_samples(c, top)
             else:
                 coverage[c] = [(lo, hi, 0.0) for lo, hi in regions(top)]
-        rows = cmpolicy.explore_rows(coverage, self.settings.min_region_samples)
-        # the last region is open-ended in practice: it covers whatever larger batches come
-        return rows
+        rows = list(cmpolicy.explore_rows(coverage, self.settings.min_region_samples))
+        # Acceptance is only measured while speculating: when the table decodes plainly (and so
+        # measures none), re-measure it with the longest chain, whose per-position rates also
+        # give every shorter chain's tau.
+        chains = [c for c in self.candidates() if c[0] > 0 and c[1] == 1]
+        if chains and self.model.accept_weight_total() < self.settings.min_accept_samples:
+            probe = max(chains)
+            have = {(r.min_batch, r.config) for r in rows}
+            rows += [Row(lo, hi, probe) for lo, hi in regions(top) if (lo, probe) not in have]
+        return tuple(sorted(rows, key=lambda r: (r.min_batch, r.config)))
 
     def _model_summary(self, options: list[cmpolicy.Option], table: PolicyTable) -> dict[str, Any]:
         summary = self.model.summary(max_batch=max(1, self.model.max_observed_batch()))

@@ -37,11 +37,13 @@ def goodput_matrix(options: Sequence[Option]) -> np.ndarray:
 
 
 def choose(options: Sequence[Option], previous: Optional[PolicyTable] = None,
-           margin: float = DEFAULT_MARGIN) -> list[Config]:
+           margin: float = DEFAULT_MARGIN, default: Optional[PolicyTable] = None) -> list[Config]:
     """Per batch size (index 0 = batch 1), the chosen configuration.
 
     Hysteresis: where the previous table's choice is still an option and within `margin` of the
     best, it is kept, so estimates wobbling by a percent do not move a boundary back and forth.
+    Partial evidence: where `default`'s choice is not among the options (never measured), the
+    default stays; there is nothing to compare it with.
     """
     if not options:
         raise ValueError("no options to choose from")
@@ -49,6 +51,14 @@ def choose(options: Sequence[Option], previous: Optional[PolicyTable] = None,
     best = np.argmax(g, axis=0)
     out = [options[i].config for i in best]
     idx = {o.config: i for i, o in enumerate(options)}
+    if default is not None:
+        for b0 in range(g.shape[1]):
+            d = default.lookup(b0 + 1)
+            if d not in idx:
+                out[b0] = d
+        pinned = [c not in idx for c in out]
+        merged = _merge_islands([c if c in idx else None for c in out], g, idx, margin)  # type: ignore[misc]
+        return [default.lookup(b0 + 1) if pinned[b0] else merged[b0] for b0 in range(len(out))]
     if previous is not None:
         for b0 in range(g.shape[1]):
             prev = previous.lookup(b0 + 1)
@@ -65,6 +75,7 @@ def _merge_islands(choices: list[Config], g: np.ndarray, idx: dict[Config, int],
     (s2 vs s3, say) otherwise fragment the table into noise-driven slivers."""
     out = list(choices)
     best = g.max(axis=0)
+    # None marks pinned batch sizes (partial evidence): they are never merged into or from
     while True:
         runs = []  # (start, end_exclusive, config)
         s = 0
@@ -76,8 +87,10 @@ def _merge_islands(choices: list[Config], g: np.ndarray, idx: dict[Config, int],
             return out
         merged = False
         for k in sorted(range(len(runs)), key=lambda k: runs[k][1] - runs[k][0]):
-            a, e, _ = runs[k]
-            cands = [runs[n][2] for n in (k - 1, k + 1) if 0 <= n < len(runs)]
+            a, e, own = runs[k]
+            if own is None:
+                continue
+            cands = [runs[n][2] for n in (k - 1, k + 1) if 0 <= n < len(runs) and runs[n][2] is not None]
             scored = []
             for c in cands:
                 loss = 1.0 - float(np.min(g[idx[c], a:e] / best[a:e]))
@@ -106,11 +119,11 @@ def explore_rows(coverage: dict[Config, Sequence[tuple[int, int, float]]],
 def derive(options: Sequence[Option], *, previous: Optional[PolicyTable] = None,
            margin: float = DEFAULT_MARGIN, explore: Sequence[Row] = (),
            explore_period: int = DEFAULT_EXPLORE_PERIOD, version: int = 0,
-           source: str = "online") -> PolicyTable:
-    choices = choose(options, previous, margin)
+           source: str = "online", default: Optional[PolicyTable] = None) -> PolicyTable:
+    choices = choose(options, previous, margin, default)
     rows = rows_from_choices(choices)
     if len(rows) > 256:  # pathological near-ties: drop hysteresis rather than ship a huge table
-        rows = rows_from_choices(choose(options, None, 0.0))
+        rows = rows_from_choices(choose(options, None, 0.0, default))
     return PolicyTable(rows=rows, explore=tuple(explore),
                        explore_period=explore_period if explore else 0,
                        version=version, source=source)

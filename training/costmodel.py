@@ -2,7 +2,9 @@
 
 `CostModel` follows the scikit-learn estimator contract (`__init__` stores parameters, `fit` /
 `partial_fit` set trailing-underscore state and return self, `predict_*` check it is fitted).
-Recent traffic dominates: every sample's weight halves every `half_life_s` of its timestamp age.
+Recent traffic dominates: a step-time sample's weight halves every `half_life_s` of its timestamp
+age (a property of model + hardware: slow); acceptance halves every `accept_half_life_s` (a
+property of the traffic: it shifts within a minute when the prompt mix does).
 """
 
 from __future__ import annotations
@@ -18,8 +20,9 @@ from sklearn.isotonic import IsotonicRegression
 Config = tuple[int, int, int]  # (steps, topk, draft_tokens)
 OFF: Config = (0, 1, 1)
 RING = 32  # recent step times kept per (config, batch size) for the robust median
+PRIOR_REQUESTS = 32.0  # pseudo-requests behind the trend prior of a deeper chain position
 MIN_SETTLED = 3  # steady-state values needed before post-switch ones are ignored
-_REBASE_S = 3600.0  # renormalise decayed weights before 2**(age/half_life) overflows
+_REBASE_HALF_LIVES = 256.0  # renormalise decayed weights long before 2**(age/half_life) overflows
 
 
 def config_name(c: Config) -> str:
@@ -97,9 +100,11 @@ class CostModel:
     is still predicted: tau(s) = 1 + sum_{i<=s} prod_{j<=i} a_j.
     """
 
-    def __init__(self, *, half_life_s: float = 600.0, warmup_steps: int = 2,
+    def __init__(self, *, half_life_s: float = 600.0, accept_half_life_s: float = 30.0,
+                 warmup_steps: int = 2,
                  min_region_samples: float = 16.0, max_batch: int = 4096):
         self.half_life_s = half_life_s
+        self.accept_half_life_s = accept_half_life_s
         self.warmup_steps = warmup_steps
         self.min_region_samples = min_region_samples
         self.max_batch = max_batch
@@ -128,33 +133,38 @@ class CostModel:
         self.refit()
         return self
 
-    def _scale(self, ts: float) -> float:
+    def _scale(self, ts: float) -> tuple[float, float]:
+        """Weights (step time, acceptance) of a sample stamped `ts`, relative to t0."""
         if self.t0_ is None:
             self.t0_ = ts
         if ts > self.now_:
             self.now_ = ts
         age = ts - self.t0_
-        if age > _REBASE_S:
+        if age > _REBASE_HALF_LIVES * min(self.half_life_s, self.accept_half_life_s):
             self._rebase(ts)
             age = 0.0
-        return 2.0 ** (age / self.half_life_s)
+        return 2.0 ** (age / self.half_life_s), 2.0 ** (age / self.accept_half_life_s)
 
     def _rebase(self, ts: float) -> None:
-        f = 2.0 ** (-(ts - self.t0_) / self.half_life_s)  # type: ignore[operator]
+        age = ts - self.t0_  # type: ignore[operator]
+        f = 2.0 ** (-age / self.half_life_s)
+        fa = 2.0 ** (-age / self.accept_half_life_s)
         for cell in self.times_.values():
             cell.weight *= f
             cell.warm_weight *= f
         for acc in self.accept_.values():
-            acc.hist = [x * f for x in acc.hist]
-            acc.mean_sum *= f
-            acc.mean_weight *= f
+            acc.hist = [x * fa for x in acc.hist]
+            acc.mean_sum *= fa
+            acc.mean_weight *= fa
         self.t0_ = ts
 
     def observe(self, s: Sample) -> None:
         """Take one sample (hot path of the daemon: keep it O(batch size) and allocation-light)."""
         if not hasattr(self, "times_"):
             self._reset()
-        w = s.weight * self._scale(s.ts)
+        wt, wa = self._scale(s.ts)
+        w = s.weight * wt
+        wa *= s.weight
         self.num_samples_ += 1
         c = tuple(s.config)
         steps = c[0]
@@ -169,10 +179,10 @@ class CostModel:
                 for k in range(steps + 1):
                     n = counts(k)
                     if n:
-                        h[k] += n * w
+                        h[k] += n * wa
             elif s.mean_accepted is not None:
-                acc.mean_sum += w * s.batch_size * s.mean_accepted
-                acc.mean_weight += w * s.batch_size
+                acc.mean_sum += wa * s.batch_size * s.mean_accepted
+                acc.mean_weight += wa * s.batch_size
         if s.step_ms is None or not (s.step_ms > 0 and math.isfinite(s.step_ms)):
             return
         # step time: the first steps after a switch pay for state changes; skip them (single
@@ -267,15 +277,18 @@ class CostModel:
             accepted[:n] += tail[1 : n + 1]
         if reached[0] <= 0:
             return None
-        out = np.full(steps, np.nan)
-        ok = reached > 0
-        out[ok] = accepted[ok] / reached[ok]
-        # positions never reached: assume the last measured conditional rate holds
-        last = None
-        for i in range(steps):
-            if np.isnan(out[i]):
-                out[i] = last if last is not None else 0.0
-            last = out[i]
+        # in requests as of now: stale counts (a position only a rarely used chain reaches)
+        # shrink, and the estimate falls back toward the trend of the fresh lower positions
+        f = self._now_factor(self.accept_half_life_s)
+        reached *= f
+        accepted *= f
+        out = np.zeros(steps)
+        out[0] = accepted[0] / reached[0]
+        for i in range(1, steps):
+            prev = out[i - 1]
+            trend = min(1.0, prev / out[i - 2]) if i >= 2 and out[i - 2] > 0 else 1.0
+            prior = prev * trend
+            out[i] = (accepted[i] + PRIOR_REQUESTS * prior) / (reached[i] + PRIOR_REQUESTS)
         return out
 
     def tokens_per_step(self, c: Config) -> Optional[float]:
@@ -302,12 +315,16 @@ class CostModel:
         acc = self.accept_.get(tuple(c))  # type: ignore[arg-type]
         if acc is None:
             return 0.0
-        return float(sum(acc.hist) + acc.mean_weight) * self._now_factor()
+        return float(sum(acc.hist) + acc.mean_weight) * self._now_factor(self.accept_half_life_s)
 
-    def _now_factor(self) -> float:
+    def accept_weight_total(self, chains_only: bool = True) -> float:
+        """Decayed requests behind the (pooled) chain acceptance estimate."""
+        return sum(self.accept_weight(c) for c in self.accept_ if not chains_only or c[1] == 1)
+
+    def _now_factor(self, half_life_s: Optional[float] = None) -> float:
         if self.t0_ is None:
             return 0.0
-        return 2.0 ** (-(self.now_ - self.t0_) / self.half_life_s)
+        return 2.0 ** (-(self.now_ - self.t0_) / (half_life_s or self.half_life_s))
 
     def region_samples(self, c: Config, max_batch: int) -> list[tuple[int, int, float]]:
         """(lo, hi, decayed samples) per log2 region for configuration c."""
@@ -339,7 +356,8 @@ class CostModel:
             self._reset()
         return {
             "kind": "specctl.model", "version": 1,
-            "half_life_s": self.half_life_s, "t0": self.t0_, "now": self.now_,
+            "half_life_s": self.half_life_s, "accept_half_life_s": self.accept_half_life_s,
+            "t0": self.t0_, "now": self.now_,
             "num_samples": self.num_samples_, "warmup_dropped": self.num_warmup_dropped_,
             "times": [[list(c), b, cell.weight, list(cell.recent), cell.warm_weight, list(cell.warm)]
                       for (c, b), cell in self.times_.items()],
@@ -393,6 +411,7 @@ class CostModel:
             "samples": self.num_samples_,
             "warmup_dropped": self.num_warmup_dropped_,
             "half_life_s": self.half_life_s,
+            "accept_half_life_s": self.accept_half_life_s,
             "fit_error": {k: round(v, 4) for k, v in self.fit_error().items()},
             "configs": per,
         }

@@ -4,7 +4,7 @@ import pytest
 from specctl.training.costmodel import CostModel, Sample
 from specctl.training.synth import generate, truth_with_crossover
 
-OFF, S1, S2, S3 = (0, 1, 1), (1, 1, 2), (2, 1, 3), (3, 1, 4)
+OFF, S1, S2, S3, S5 = (0, 1, 1), (1, 1, 2), (2, 1, 3), (3, 1, 4), (5, 1, 6)
 
 
 def _samples(truth, n, bs, seed=0, **kw):
@@ -45,7 +45,24 @@ def test_pooled_chain_acceptance_predicts_longer_chain():
         rows.append(Sample(ts=i * 0.01, config=c, batch_size=8, step_ms=5.0, accepted=acc))
     m.fit(rows)
     np.testing.assert_allclose(m.acceptance_by_position(S2), [0.9, 0.7], atol=0.02)
-    assert m.tokens_per_step(S3) == pytest.approx(1 + 0.9 + 0.9 * 0.7 + 0.9 * 0.7 * 0.7, rel=0.03)
+    # position 3 was never reached: its rate follows the trend of positions 1-2 (0.7 * 0.7/0.9)
+    a3 = 0.7 * 0.7 / 0.9
+    assert m.tokens_per_step(S3) == pytest.approx(1 + 0.9 + 0.9 * 0.7 + 0.9 * 0.7 * a3, rel=0.03)
+
+
+def test_stale_deep_position_reverts_to_fresh_trend():
+    # s5 ran long ago on easy traffic; now only s2 runs, on hard traffic: positions 3-5 must not
+    # keep the stale easy rates
+    rows = [Sample(ts=i * 0.01, config=S5, batch_size=4, step_ms=5.0, accepted=[5, 5, 5, 4]) for i in range(2000)]
+    rng = np.random.default_rng(1)
+    for i in range(6000):
+        ok = rng.random((4, 2)) < np.array([0.6, 0.5])
+        acc = np.where(ok.all(axis=1), 2, np.argmin(ok, axis=1)).tolist()
+        rows.append(Sample(ts=200 + i * 0.01, config=S2, batch_size=4, step_ms=4.0, accepted=acc))
+    m = CostModel(accept_half_life_s=10.0).fit(rows)
+    a = m.acceptance_by_position(S5)
+    np.testing.assert_allclose(a[:2], [0.6, 0.5], atol=0.03)
+    assert a[2] < 0.55 and a[4] < 0.5  # not the stale ~0.95
 
 
 def test_robust_to_outliers_and_switch_warmup():
