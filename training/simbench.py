@@ -274,6 +274,7 @@ class BenchReport:
     labels: list[str]  # what each result is (e.g. "best static" for a searched one)
     num_simulated: int
     wall_s: float
+    open_loop: bool = False
 
     def oracle(self) -> Optional[SimResult]:
         return next((r for r in self.results if r.policy == "oracle"), None)
@@ -322,7 +323,8 @@ def run_bench(profile: Profile, workload: Workload, policies: Optional[Sequence[
             res.append(_relabel(sr.best_threshold, f"best-threshold={sr.best_threshold.policy}"))
             labels.append("best tuned threshold (search)")
     return BenchReport(profile.name, workload.name, workload.seed if seed is None else seed, res, labels,
-                       n_sim, time.perf_counter() - t0)
+                       n_sim, time.perf_counter() - t0,
+                       open_loop=any(p.arrival_rate is not None for p in workload.phases))
 
 
 def format_report(rep: BenchReport) -> str:
@@ -340,6 +342,9 @@ def format_report(rep: BenchReport) -> str:
     for r in rows:
         lines.append(f"{r['policy']:<{w}}  {r['tokens_per_s']:>9.1f}  {f(r['oracle_ratio'], '.3f'):>8}  "
                      f"{f(r['mean_tpot_ms'], '.2f'):>8}  {f(r['p99_tpot_ms'], '.2f'):>8}")
+    if rep.open_loop:
+        lines.append("(open-loop phases: while the engine keeps up, tokens/s is the offered load for every "
+                     "policy; compare TPOT)")
     phases = rows[0]["phases"]
     if len(phases) > 1:
         lines += ["", "per phase: tok/s (x oracle)"]
