@@ -146,3 +146,25 @@ def gen_train_prompts(n, seed=0):
             seen.add(s)
             out.append({"id": f"gen-{len(out)}", "class": cls, "text": s})
     return out
+
+
+SELF_INSTRUCT = [
+    ("chat", "Write one question that a curious person might ask an AI assistant about {t}. Write only the question."),
+    ("chat", "Write a realistic request that a user could send to a helpful assistant about {t}. Write only the request."),
+    ("chat", "Write a creative writing task about {t} for a student. Write only the task."),
+    ("chat", "Write a question that requires step-by-step reasoning, about {t}. Write only the question."),
+    ("chat", "Write an instruction asking an assistant to role-play as an expert on {t}. Write only the instruction."),
+    ("code", "Write a short programming task for a Python developer: a function that {d}. Write only the task."),
+    ("code", "Write a coding interview question about writing a function that {d}. Write only the question."),
+]
+
+
+def self_instruct_seeds(n, seed=0):
+    """Meta-prompts that ask the target itself to write prompts (answered with sampling for diversity)."""
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        cls, tpl = rng.choice(SELF_INSTRUCT)
+        out.append({"id": f"seed-{i}", "class": cls,
+                    "text": tpl.format(t=rng.choice(TOPICS), d=rng.choice(CODE_TASKS)[2])})
+    return out

@@ -117,11 +117,16 @@ class Eagle3Draft(nn.Module):
         logits = self.lm_head(rms(pre, self.norm.to(pre.dtype), self.eps))
         return logits, pre, caches
 
-    def unroll(self, tokens, aux, S):
-        """Logits of steps 1..S for every chain start i: step k reads token x_{i+k}, predicts x_{i+k+1}."""
+    def unroll(self, tokens, aux, S, labels=None):
+        """Logits of steps 1..S for every chain start i: step k reads token x_{i+k}, predicts x_{i+k+1}.
+        Step 1 reads the committed next token; steps k >= 2 read the target's greedy token at i+k-1 (what an
+        accepted chain feeds the draft), which equals x_{i+k} on greedy answers but not on sampled ones."""
         out, hin, caches = [], aux, None
         for k in range(1, S + 1):
-            tok = torch.roll(tokens, -k, 1)  # wrapped tail positions are masked by the caller
+            if k == 1 or labels is None:
+                tok = torch.roll(tokens, -k, 1)  # wrapped tail positions are masked by the caller
+            else:
+                tok = torch.roll(labels, -(k - 1), 1)
             logits, hin, caches = self.step(tok, hin, k, caches)
             out.append(logits)
         return out
@@ -139,7 +144,7 @@ def chat_ids(tok, text):
 
 
 @torch.inference_mode()
-def generate(model, items, tok, new, bs, dev, budget_s, eos=2, pad=2):
+def generate(model, items, tok, new, bs, dev, budget_s, eos=2, pad=2, temperature=0.0, stop_newline=False):
     """Greedy answers, batched with left padding; items sorted by prompt length. Stops at budget_s."""
     t = time.time()
     items = sorted(items, key=lambda x: len(x["ids"]))
@@ -155,8 +160,9 @@ def generate(model, items, tok, new, bs, dev, budget_s, eos=2, pad=2):
         for i, x in enumerate(chunk):
             ids[i, n - len(x["ids"]):] = torch.tensor(x["ids"])
             am[i, n - len(x["ids"]):] = 1
-        o = model.generate(input_ids=ids.to(dev), attention_mask=am.to(dev), max_new_tokens=new, do_sample=False,
-                           pad_token_id=pad, eos_token_id=eos)
+        kw = dict(do_sample=True, temperature=temperature, top_p=0.95, top_k=0) if temperature > 0 else dict(do_sample=False)
+        o = model.generate(input_ids=ids.to(dev), attention_mask=am.to(dev), max_new_tokens=new, pad_token_id=pad,
+                           eos_token_id=eos, **kw)
         for i, x in enumerate(chunk):
             r = o[i, n:].tolist()
             if eos in r:
@@ -213,7 +219,7 @@ def evaluate(draft, batches, hot, S=4):
     for bt in batches:
         T = bt["tokens"].shape[1]
         with torch.autocast(bt["tokens"].device.type, dtype=torch.bfloat16):
-            outs = draft.unroll(bt["tokens"], bt["aux"], S)
+            outs = draft.unroll(bt["tokens"], bt["aux"], S, bt["labels"])
         valid = masks(bt, S, T)
         run = torch.ones_like(valid)
         accepted = torch.zeros(valid.shape, device=hot.device)
@@ -279,6 +285,10 @@ def main():
     ap.add_argument("--bs", type=int, default=32)
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--self-instruct", type=int, default=0, help="ask the target to write this many prompts (sampled)")
+    ap.add_argument("--si-tokens", type=int, default=64)
+    ap.add_argument("--sampled-frac", type=float, default=0.0, help="extra answers sampled at T=0.7 (greedy labels)")
+    ap.add_argument("--freeze-head", action="store_true", help="keep lm_head = the target's head rows")
     ap.add_argument("--eval-limit", type=int, default=0, help="use only the first N MT-Bench / HumanEval prompts")
     ap.add_argument("--cache", default=None, help="save/load generated answers here (json)")
     a = ap.parse_args()
@@ -307,7 +317,27 @@ def main():
             x["ids"] = chat_ids(tok, x["text"])
         log(f"prompts: train {len(train)}, mtbench {len(mtb)}, humaneval {len(he)}; example {tok.decode(mtb[0]['ids'])[:200]!r}")
         held = generate(model, mtb + he, tok, a.gen_tokens, a.gen_bs, dev, 1e9)
-        tr = generate(model, train, tok, a.gen_tokens, a.gen_bs, dev, a.gen_budget_s)
+        t_gen = time.time()
+        if a.self_instruct:
+            seeds = P.self_instruct_seeds(a.self_instruct, seed=a.seed + 1)
+            for x in seeds:
+                x["ids"] = chat_ids(tok, x["text"])
+            qs = generate(model, seeds, tok, a.si_tokens, a.gen_bs, dev, 60, temperature=1.0)
+            si, seen = [], set(x["text"] for x in train)
+            for x in qs:
+                q = tok.decode([t for t in x["resp"] if t != 2], skip_special_tokens=True).strip().split("\n\n")[0].strip()
+                if 15 <= len(q) <= 400 and q not in seen:
+                    seen.add(q)
+                    si.append({"id": f"si-{len(si)}", "class": x["class"], "text": q, "ids": chat_ids(tok, q)})
+            log(f"self-instruct prompts: {len(si)} of {len(qs)}; e.g. {[z['text'][:80] for z in si[:3]]}")
+            train = si + train
+        rest = max(10.0, a.gen_budget_s - (time.time() - t_gen))
+        tr = generate(model, train, tok, a.gen_tokens, a.gen_bs, dev, rest * (1 - a.sampled_frac))
+        if a.sampled_frac > 0:
+            rest = max(10.0, a.gen_budget_s - (time.time() - t_gen))
+            pool = random.Random(a.seed + 2).sample(train, min(len(train), int(len(train) * a.sampled_frac) + 1))
+            smp = generate(model, pool, tok, a.gen_tokens, a.gen_bs, dev, rest, temperature=0.7)
+            tr += [dict(x, id=x["id"] + "-sampled") for x in smp]
         data = {"train": tr, "mtbench": [x for x in held if x["id"].startswith("mtbench")],
                 "humaneval": [x for x in held if not x["id"].startswith("mtbench")]}
         if a.cache:
@@ -317,8 +347,15 @@ def main():
     rng = random.Random(a.seed)
     tr = list(data["train"])
     rng.shuffle(tr)
-    nval = max(32, len(tr) // 20)
-    val, tr = tr[:nval], tr[nval:]
+    si_ids = sorted({x["id"].replace("-sampled", "") for x in tr if x["id"].startswith("si-")})
+    if len(si_ids) >= 64:  # validate on whole self-instruct prompts (greedy + sampled answers kept together)
+        vset = set(si_ids[: max(32, len(si_ids) // 10)])
+        val = [x for x in tr if x["id"].replace("-sampled", "") in vset and not x["id"].endswith("-sampled")]
+        tr = [x for x in tr if x["id"].replace("-sampled", "") not in vset]
+    else:
+        nval = max(32, len(tr) // 20)
+        val, tr = tr[:nval], tr[nval:]
+    rep["n_train_answers"], rep["n_val_answers"] = len(tr), len(val)
 
     # ---- 2. features
     t = time.time()
@@ -353,6 +390,8 @@ def main():
         draft.norm.copy_(model.model.norm.weight.float())
     del model
     torch.cuda.empty_cache() if dev == "cuda" else None
+    if a.freeze_head:
+        draft.lm_head.weight.requires_grad_(False)
     params = [p for p in draft.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=a.lr, betas=(0.9, 0.95), weight_decay=0.0)
     W = [0.8 ** k for k in range(a.ttt)]
@@ -372,7 +411,7 @@ def main():
             for gq in opt.param_groups:
                 gq["lr"] = lr
             with torch.autocast(dev, dtype=torch.bfloat16):
-                outs = draft.unroll(bt["tokens"], bt["aux"], a.ttt)
+                outs = draft.unroll(bt["tokens"], bt["aux"], a.ttt, bt["labels"])
             loss = 0.0
             for k, lg in enumerate(outs, 1):
                 m = masks(bt, k, T)
@@ -389,9 +428,10 @@ def main():
             tot["n"] += 1
         draft.eval()
         ev = evaluate(draft, B_val, hot)
+        em = evaluate(draft, B_mtb, hot)  # reported only; selection is on val
         hist.append({"epoch": ep + 1, "step": step, "loss": round(tot["loss"] / tot["n"], 4), "val_tau": ev["tau"],
-                     "t": round(time.time() - t_train, 1)})
-        log(f"epoch {ep + 1}: loss {hist[-1]['loss']}, val tau {ev['tau']}, step acc {ev['step_accuracy']}")
+                     "mtbench_tau": em["tau"], "t": round(time.time() - t_train, 1)})
+        log(f"epoch {ep + 1}: loss {hist[-1]['loss']}, val tau {ev['tau']}, mtbench tau {em['tau']}, step acc {ev['step_accuracy']}")
         if best is None or ev["tau"][3] > best[0]:
             best = (ev["tau"][3], ep + 1, {k: v.detach().clone() for k, v in draft.state_dict().items()})
         if time.time() - t_train > a.train_s:

@@ -1,0 +1,121 @@
+"""Pure helpers of the GPU runner (stdlib only; tested on CPU in tests/gpu/)."""
+import re
+import statistics as st
+
+R_RUN = re.compile(r"#running-req: (\d+)")
+R_ACC = re.compile(r"accept len: ([\d.]+)")
+R_TP = re.compile(r"gen throughput \(token/s\): ([\d.]+)")
+
+# SGLang 0.5.17's built-in default adaptive config has candidates {0, 1, 3, 7}; the logits-buffer bug needs
+# the launch steps to be the largest candidate.
+SGLANG_ADAPTIVE_MAX_STEPS = 7
+
+
+def parse_policy(pol):
+    """'off' | 'static:sN' | 'threshold:T:sN' | 'sglang-adaptive' | 'specctl' -> dict."""
+    if pol == "off":
+        return {"kind": "off"}
+    if pol in ("sglang-adaptive", "specctl"):
+        return {"kind": pol}
+    parts = pol.split(":")
+    if parts[0] == "static" and len(parts) == 2 and parts[1].startswith("s"):
+        return {"kind": "static", "steps": int(parts[1][1:])}
+    if parts[0] == "threshold" and len(parts) == 3 and parts[2].startswith("s"):
+        return {"kind": "threshold", "threshold": int(parts[1]), "steps": int(parts[2][1:])}
+    raise ValueError(f"unknown policy {pol!r}")
+
+
+def eagle_args(draft, steps):
+    return ["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", draft, "--speculative-eagle-topk", "1",
+            "--speculative-num-steps", str(steps), "--speculative-num-draft-tokens", str(steps + 1)]
+
+
+def policy_launch_args(pol, draft, specctl_max_steps=3):
+    """(extra server args, extra env, adaptive config dict or None) for a policy."""
+    p = parse_policy(pol)
+    if p["kind"] == "off":
+        return [], {}, None
+    if p["kind"] == "static":
+        return eagle_args(draft, p["steps"]), {}, None
+    if p["kind"] == "threshold":
+        # spec with N steps below the threshold, steps 0 (1-token verify) from it up; launch at N (largest candidate)
+        cfg = {"1": {"candidate_steps": [p["steps"]]}, str(p["threshold"]): {"candidate_steps": [0]}}
+        return eagle_args(draft, p["steps"]) + ["--speculative-adaptive"], {}, cfg
+    if p["kind"] == "sglang-adaptive":
+        return eagle_args(draft, SGLANG_ADAPTIVE_MAX_STEPS) + ["--speculative-adaptive"], {}, None
+    if p["kind"] == "specctl":
+        cfg = {"1": {"candidate_steps": list(range(0, specctl_max_steps + 1))}}
+        return (eagle_args(draft, specctl_max_steps) + ["--speculative-adaptive"], {"SGLANG_PLUGINS": "specctl"}, cfg)
+    raise AssertionError(p)
+
+
+def parse_decode_lines(text, n=None):
+    """Step times from SGLang 'Decode batch' lines: 1000 * #running-req * accept_len / gen_throughput (ms).
+    The first line of a window spans an idle gap or prefill and is dropped; with n, only lines at exactly
+    n running requests (steady state of a closed loop at concurrency n) count."""
+    rows = []
+    for ln in text.splitlines():
+        if "Decode batch" not in ln:
+            continue
+        a, b, c = R_RUN.search(ln), R_ACC.search(ln), R_TP.search(ln)
+        if not (a and c):
+            continue
+        rows.append((int(a.group(1)), float(b.group(1)) if b else 1.0, float(c.group(1))))
+    rows = rows[1:]
+    sel = [r for r in rows if (n is None or r[0] == n) and r[2] > 0]
+    if len(sel) >= 4:
+        sel = sel[1:]
+    steps = [1000.0 * r[0] * r[1] / r[2] for r in sel]
+    if not steps:
+        return {"n_lines": 0, "all_lines": len(rows)}
+    mean = st.mean(steps)
+    return {"n_lines": len(steps), "step_ms_med": round(st.median(steps), 4), "step_ms_mean": round(mean, 4),
+            "step_ms_cv": round(st.pstdev(steps) / mean, 4) if mean else None,
+            "accept_len": round(st.mean(r[1] for r in sel), 3), "gen_tok_s_med": round(st.median(r[2] for r in sel), 1)}
+
+
+def pct(xs, q):
+    xs = sorted(xs)
+    if not xs:
+        return None
+    k = (len(xs) - 1) * q
+    lo, hi = int(k), min(int(k) + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
+
+
+def summarize_requests(outs, wall):
+    """Aggregate client records {ttft, latency, tokens, verify_ct} of one run."""
+    good = [o for o in outs if "error" not in o and o.get("tokens")]
+    toks = sum(o["tokens"] for o in good)
+    tpot = [1000.0 * (o["latency"] - (o["ttft"] or 0)) / (o["tokens"] - 1) for o in good if o["tokens"] > 1]
+    vct = [o["verify_ct"] for o in good if o.get("verify_ct")]
+    acc = (sum(o["tokens"] for o in good if o.get("verify_ct")) / sum(vct)) if vct else None
+    r = lambda x, d=3: None if x is None else round(x, d)  # noqa: E731
+    return {"requests": len(good), "errors": len(outs) - len(good), "output_tokens": toks, "wall_s": r(wall),
+            "output_tokens_per_s": r(toks / wall if wall > 0 else None, 1), "median_tpot_ms": r(pct(tpot, 0.5)),
+            "p99_tpot_ms": r(pct(tpot, 0.99)), "median_ttft_ms": r(pct([1000 * o["ttft"] for o in good if o.get("ttft")], 0.5)),
+            "accept_length": r(acc)}
+
+
+def profile_from_runs(runs, name):
+    """Simulator cost profile (specctl.profile/1) from the static/off sweep rows' log step times."""
+    cfgs, step_ms, cvs = {}, {}, []
+    for row in runs:
+        p = parse_policy(row["policy"])
+        if p["kind"] == "off":
+            key, c = "off", {"steps": 0, "topk": 1, "draft_tokens": 1}
+        elif p["kind"] == "static":
+            key, c = f"s{p['steps']}", {"steps": p["steps"], "topk": 1, "draft_tokens": p["steps"] + 1}
+        else:
+            continue
+        lg = row.get("log") or {}
+        if not lg.get("step_ms_med"):
+            continue
+        cfgs[key] = c
+        step_ms.setdefault(key, []).append([row["concurrency"], lg["step_ms_med"]])
+        if lg.get("step_ms_cv") is not None:
+            cvs.append(lg["step_ms_cv"])
+    for k in step_ms:
+        step_ms[k].sort()
+    return {"schema": "specctl.profile/1", "name": name, "configs": cfgs, "step_ms": step_ms,
+            "noise_cv": round(st.median(cvs), 4) if cvs else 0.05}

@@ -1,0 +1,313 @@
+"""Benchmark SGLang 0.5.17 + EAGLE-3 per speculation policy on the GPU machine (one command).
+
+  python3 benchmarks/gpu/run_bench.py --model /tmp/m/8b --variant 8b --draft /tmp/m/draft \
+      --policies off,static:s1,static:s2,static:s3,threshold:5:s3,sglang-adaptive \
+      --levels 1,2,4,8,16,32,64,128 --phase --out $OUT [--parallel 3] [--deadline-s 540]
+
+Per policy, a server (`python3 -m sglang.launch_server`) is launched; up to --parallel servers start at
+once (start-up dominates), then each is measured alone (others idle with --sleep-on-idle) and killed:
+  1. identity probe: 16 prompts, greedy, 64 tokens -> output ids (off vs spec must match token for token)
+  2. concurrency sweep: closed loop of c streaming clients over MT-Bench turn-1 + HumanEval chat prompts
+     (interleaved, fixed order), max_new_tokens --new-tokens, natural EOS; output tokens/s, median and p99
+     TPOT, accept length (sum completion tokens / sum verify steps)
+  3. phase-changing workload (--phase): PHASES below, concurrency and prompt class shifting over time
+Step time per decode batch comes from SGLang's `Decode batch` log lines: 1000 * #running-req *
+accept_len / gen_throughput (ms); the static policies' medians at each swept batch size give the cost
+profile in the simulator format (specctl.profile/1).
+
+Policies: off | static:sN | threshold:T:sN (SGLang adaptive with slots {"1": [N], "T": [0]}: N steps below
+batch size T, steps 0 from T up; batch sizes are padded to a CUDA-graph size before the slot lookup, so T
+must be a CUDA-graph size boundary + 1, e.g. 5 with graph sizes 4 and 8) | sglang-adaptive (built-in EMA
+policy, default config, launched at its largest candidate 7: the 0.5.17 logits-buffer bug) | specctl
+(plugin + daemon: --specctl-serve-cmd starts `specctl serve`, SGLANG_PLUGINS=specctl; launched with an
+adaptive config whose candidates are 0..3).
+Writes OUT/bench-<variant>.json (the results format of issue 5), OUT/profile-<variant>.json, OUT/<policy>.log.
+"""
+import argparse
+import asyncio
+import json
+import os
+import random
+import re
+import statistics as st
+import subprocess
+import sys
+import time
+import urllib.request
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import prompts as P  # noqa: E402
+from benchlib import parse_decode_lines, policy_launch_args, profile_from_runs, summarize_requests  # noqa: E402
+
+PHASES = [  # duration_s, concurrency, mix
+    {"duration_s": 20, "concurrency": 2, "mix": {"code": 1.0}},
+    {"duration_s": 20, "concurrency": 64, "mix": {"chat": 0.8, "code": 0.2}},
+    {"duration_s": 20, "concurrency": 8, "mix": {"chat": 1.0}},
+    {"duration_s": 20, "concurrency": 128, "mix": {"chat": 0.5, "code": 0.5}},
+    {"duration_s": 20, "concurrency": 1, "mix": {"chat": 1.0}},
+]
+T0 = time.time()
+
+
+def log(*a):
+    print(f"[{time.time() - T0:6.1f}s]", *a, flush=True)
+
+
+def http(port, path, obj=None, t=10):
+    r = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=json.dumps(obj).encode() if obj is not None else None,
+                               headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(r, timeout=t) as f:
+        return f.status, f.read().decode()
+
+
+def kill_tree(proc):
+    try:
+        import psutil
+        p = psutil.Process(proc.pid)
+        for c in p.children(recursive=True) + [p]:
+            try:
+                c.kill()
+            except Exception:
+                pass
+    except Exception:
+        try:
+            proc.kill()
+        except Exception:
+            pass
+
+
+async def one_request(session, port, ids, new, out, stream=True):
+    """Streaming /generate; records ttft, latency, tokens, verify count (stream=False: also the output ids)."""
+    body = {"input_ids": ids, "sampling_params": {"temperature": 0, "max_new_tokens": new}, "stream": stream}
+    t = time.perf_counter()
+    ttft, meta, text_ids = None, {}, []
+    try:
+        if not stream:
+            async with session.post(f"http://127.0.0.1:{port}/generate", json=body) as r:
+                o = await r.json()
+            out.append({"ttft": None, "latency": time.perf_counter() - t, "tokens": o["meta_info"].get("completion_tokens", 0),
+                        "verify_ct": o["meta_info"].get("spec_verify_ct"), "t_end": time.time(), "ids": o.get("output_ids"),
+                        "n": len(out)})
+            return
+        async with session.post(f"http://127.0.0.1:{port}/generate", json=body) as r:
+            async for raw in r.content:
+                line = raw.decode().strip()
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    break
+                o = json.loads(data)
+                if ttft is None:
+                    ttft = time.perf_counter() - t
+                meta = o.get("meta_info", meta)
+                if o.get("output_ids") is not None:
+                    text_ids = o["output_ids"]
+        lat = time.perf_counter() - t
+        out.append({"ttft": ttft, "latency": lat, "tokens": meta.get("completion_tokens", 0),
+                    "verify_ct": meta.get("spec_verify_ct"), "t_end": time.time(), "ids": text_ids})
+    except Exception as e:
+        out.append({"error": repr(e)[:200], "t_end": time.time()})
+
+
+async def closed_loop(port, items, conc, n_req, new, stream=True):
+    import aiohttp
+    out, it = [], iter(items * (1 + n_req // max(1, len(items))))
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=900)) as s:
+        async def worker(k):
+            for _ in range(k):
+                await one_request(s, port, next(it)["ids"], new, out, stream)
+        per = [n_req // conc + (1 if i < n_req % conc else 0) for i in range(conc)]
+        t = time.time()
+        await asyncio.gather(*[worker(k) for k in per if k])
+        return out, time.time() - t
+
+
+async def phase_loop(port, pools, phases, new, seed=0):
+    import aiohttp
+    rng = random.Random(seed)
+    out, idx = [], {k: 0 for k in pools}
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=900)) as s:
+        inflight = set()
+        t_start = time.time()
+        for ph in phases:
+            t_end = time.time() + ph["duration_s"]
+            classes, weights = zip(*ph["mix"].items())
+            while time.time() < t_end:
+                while len(inflight) < ph["concurrency"]:
+                    c = rng.choices(classes, weights)[0]
+                    item = pools[c][idx[c] % len(pools[c])]
+                    idx[c] += 1
+                    task = asyncio.ensure_future(one_request(s, port, item["ids"], new, out))
+                    inflight.add(task)
+                    task.add_done_callback(inflight.discard)
+                await asyncio.sleep(0.005)
+        if inflight:
+            await asyncio.gather(*inflight)
+        return out, time.time() - t_start
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--variant", required=True)
+    ap.add_argument("--draft", required=True)
+    ap.add_argument("--policies", default="off,static:s1,static:s2,static:s3,threshold:5:s3,sglang-adaptive")
+    ap.add_argument("--levels", default="1,2,4,8,16,32,64,128")
+    ap.add_argument("--new-tokens", type=int, default=256)
+    ap.add_argument("--req-per-level", default="max(3*c,24)", help="python expression in c")
+    ap.add_argument("--phase", action="store_true")
+    ap.add_argument("--accept-eval", action="store_true", help="all MT-Bench turn-1 / HumanEval prompts at c=16, per spec policy")
+    ap.add_argument("--accept-tokens", type=int, default=320)
+    ap.add_argument("--phase-scale", type=float, default=1.0, help="multiply phase durations")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--results", default=None, help="also write the results JSON here")
+    ap.add_argument("--parallel", type=int, default=3)
+    ap.add_argument("--mem-fraction", type=float, default=0.0, help="per server; 0 = 0.8/parallel")
+    ap.add_argument("--deadline-s", type=float, default=540)
+    ap.add_argument("--prompts", default="/tmp/specctl-stash/aux/prompts")
+    ap.add_argument("--specctl-serve-cmd", default=None)
+    ap.add_argument("--port0", type=int, default=31000)
+    a = ap.parse_args()
+    os.makedirs(a.out, exist_ok=True)
+    deadline = T0 + a.deadline_s
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(a.model)
+
+    def chat_ids(text):
+        e = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True)
+        e = e["input_ids"] if hasattr(e, "keys") else e
+        return list(e)
+
+    mtb = P.load_mtbench(os.path.join(a.prompts, "mtbench_question.jsonl"))
+    he = P.load_humaneval(os.path.join(a.prompts, "HumanEval.jsonl.gz"))
+    for x in mtb + he:
+        x["ids"] = chat_ids(x["text"])
+    mixed = [x for pair in zip(mtb, he) for x in pair] + he[len(mtb):]
+    pools = {"chat": mtb, "code": he}
+    levels = [int(x) for x in a.levels.split(",") if x]
+    policies = [p for p in a.policies.split(",") if p]
+    maxc = max(levels + [max(ph["concurrency"] for ph in PHASES) if a.phase else 1])
+    memf = a.mem_fraction or round(0.8 / max(1, min(a.parallel, len(policies))), 3)
+    common = ["--attention-backend", "triton", "--sampling-backend", "pytorch", "--grammar-backend", "none",
+              "--mm-feature-transport", "cpu", "--decode-log-interval", "10", "--max-running-requests", str(maxc),
+              "--cuda-graph-max-bs-decode", str(maxc), "--mem-fraction-static", str(memf),
+              "--chunked-prefill-size", "8192", "--sleep-on-idle", "--host", "127.0.0.1"]
+    result = {"gpu": None, "sglang": "0.5.17", "model": "SmolLM2-135M-Instruct" + ("" if a.variant == "base" else f" zero-padded ({a.variant})"),
+              "variant": a.variant, "draft": a.draft, "new_tokens": a.new_tokens, "prompts": "MT-Bench turn 1 + HumanEval (chat)",
+              "runs": [], "phase_runs": [], "servers": {}, "identity": {}}
+    try:
+        result["gpu"] = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                                       text=True).stdout.strip().splitlines()[0]
+    except Exception:
+        pass
+    todo = list(enumerate(policies))
+    launched = []
+
+    def launch(k, pol):
+        port = a.port0 + 10 * k
+        args, env_extra, cfg = policy_launch_args(pol, a.draft)
+        if cfg is not None:
+            cp = os.path.join(a.out, f"adaptive-{pol.replace(':', '_')}.json")
+            json.dump(cfg, open(cp, "w"))
+            args += ["--speculative-adaptive-config", cp]
+        env = dict(os.environ, **env_extra)
+        side = None
+        if pol == "specctl":
+            if not a.specctl_serve_cmd:
+                raise SystemExit("policy specctl needs --specctl-serve-cmd (the daemon); plugin via SGLANG_PLUGINS=specctl")
+            side = subprocess.Popen(a.specctl_serve_cmd, shell=True, stdout=open(os.path.join(a.out, "specctl-serve.log"), "w"),
+                                    stderr=subprocess.STDOUT)
+        lp = os.path.join(a.out, f"{a.variant}-{pol.replace(':', '_')}.log")
+        cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", a.model, "--port", str(port)] + common + args
+        p = subprocess.Popen(cmd, stdout=open(lp, "w"), stderr=subprocess.STDOUT, env=env)
+        return {"policy": pol, "port": port, "proc": p, "log": lp, "cmd": " ".join(cmd[1:]), "t": time.time(), "side": side}
+
+    def wait_ready(sv, limit=400):
+        while time.time() - sv["t"] < limit and time.time() < deadline:
+            if sv["proc"].poll() is not None:
+                return False
+            try:
+                if http(sv["port"], "/health", t=2)[0] == 200:
+                    return True
+            except Exception:
+                pass
+            time.sleep(1)
+        return False
+
+    while todo or launched:
+        if not launched:  # launch a group, wait until all of it is up, then measure one at a time (others idle)
+            while todo and len(launched) < a.parallel:
+                k, pol = todo.pop(0)
+                launched.append(launch(k, pol))
+                log("launched", pol)
+            for x in launched:
+                x["ok"] = wait_ready(x)
+                x["ready_s"] = round(time.time() - x["t"], 1)
+        sv = launched.pop(0)
+        pol = sv["policy"]
+        ok = sv["ok"]
+        srv = {"cmd": sv["cmd"], "ready": ok, "ready_s": sv["ready_s"]}
+        result["servers"][pol] = srv
+        if not ok:
+            log("NOT READY", pol, open(sv["log"]).read()[-2000:])
+            kill_tree(sv["proc"])
+            continue
+        log("ready", pol, srv["ready_s"], "s")
+        try:
+            # warm-up, then identity probe
+            asyncio.run(closed_loop(sv["port"], mixed[:8], 8, 8, 16))
+            outs, _ = asyncio.run(closed_loop(sv["port"], mixed[:16], 16, 16, 64, stream=False))
+            result["identity"][pol] = sorted(json.dumps(o.get("ids")) for o in outs)
+            if a.accept_eval and pol != "off":
+                acc = {}
+                for name, items in (("mtbench", mtb), ("humaneval", he)):
+                    outs, wall = asyncio.run(closed_loop(sv["port"], items, 16, len(items), a.accept_tokens))
+                    acc[name] = summarize_requests(outs, wall)
+                result.setdefault("accept_eval", {})[pol] = acc
+                log(f"{pol} accept length: mtbench {acc['mtbench']['accept_length']}, humaneval {acc['humaneval']['accept_length']}")
+            for c in levels:
+                if time.time() > deadline - 20:
+                    log("deadline: stop sweep", pol)
+                    break
+                n_req = int(eval(a.req_per_level, {"max": max, "min": min}, {"c": c}))
+                off = os.path.getsize(sv["log"])
+                outs, wall = asyncio.run(closed_loop(sv["port"], mixed, c, n_req, a.new_tokens))
+                time.sleep(0.3)
+                with open(sv["log"]) as f:
+                    f.seek(off)
+                    lines = f.read()
+                row = {"policy": pol, "concurrency": c, **summarize_requests(outs, wall), "log": parse_decode_lines(lines, c)}
+                result["runs"].append(row)
+                log(f"{pol} c={c}: {row['output_tokens_per_s']} tok/s, tpot med {row['median_tpot_ms']} ms, "
+                    f"acc {row['accept_length']}, log step {row['log'].get('step_ms_med')} ms")
+            if a.phase and time.time() < deadline - 20 - sum(p["duration_s"] for p in PHASES) * a.phase_scale:
+                phases = [dict(p, duration_s=p["duration_s"] * a.phase_scale) for p in PHASES]
+                off = os.path.getsize(sv["log"])
+                outs, wall = asyncio.run(phase_loop(sv["port"], pools, phases, a.new_tokens))
+                with open(sv["log"]) as f:
+                    f.seek(off)
+                    lines = f.read()
+                sw = re.findall(r"Adaptive spec params updated: steps (\d+) -> (\d+)", lines)
+                row = {"policy": pol, **summarize_requests(outs, wall), "adaptive_switches": len(sw),
+                       "phases": phases}
+                result["phase_runs"].append(row)
+                log(f"{pol} phase: {row['output_tokens_per_s']} tok/s, tpot med {row['median_tpot_ms']} ms, switches {len(sw)}")
+        finally:
+            kill_tree(sv["proc"])
+            if sv.get("side"):
+                kill_tree(sv["side"])
+            time.sleep(2)
+    ref = result["identity"].get("off")
+    result["identity"] = {p: (None if ref is None else v == ref) for p, v in result["identity"].items()}
+    prof = profile_from_runs(result["runs"], f"h200-smollm2-135m-{a.variant}")
+    json.dump(result, open(os.path.join(a.out, f"bench-{a.variant}.json"), "w"), indent=1)
+    json.dump(prof, open(os.path.join(a.out, f"profile-{a.variant}.json"), "w"), indent=1)
+    if a.results:
+        json.dump(result, open(a.results, "w"), indent=1)
+    log("identity vs off:", result["identity"])
+    log("profile:", json.dumps(prof)[:1500])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,120 @@
+"""CPU tests of the GPU testbed's pure helpers (bundle manifest, runner log parsing, policies, profiles)."""
+import json
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "gpu"))
+import benchlib as B  # noqa: E402
+import bundle_manifest as M  # noqa: E402
+import prompts as P  # noqa: E402
+
+
+def _write(d, name, data):
+    with open(os.path.join(d, name), "wb") as f:
+        f.write(data)
+
+
+def test_manifest_roundtrip_joins_parts_across_calls(tmp_path):
+    bundle, stash = tmp_path / "bundle", tmp_path / "stash"
+    bundle.mkdir()
+    blob = os.urandom(3000)
+    _write(bundle, "big.part00", blob[:1000])
+    _write(bundle, "big.part01", blob[1000:2000])
+    _write(bundle, "big.part02", blob[2000:])
+    _write(bundle, "small.tgz", b"abc")
+    m = M.build_manifest(str(bundle))
+    json.dump(m, open(bundle / "MANIFEST.json", "w"))
+    assert m["artifacts"]["big"]["bytes"] == 3000 and len(m["artifacts"]["big"]["parts"]) == 3
+    # first call carries part00 + small.tgz only
+    os.rename(bundle / "big.part01", tmp_path / "p1")
+    os.rename(bundle / "big.part02", tmp_path / "p2")
+    rows = {r["artifact"]: r for r in M.stash(str(bundle), str(stash))}
+    assert rows["big"]["state"] == "partial" and rows["small.tgz"]["state"] == "complete"
+    # second call carries the rest (bundle now holds only the later parts and the manifest)
+    os.remove(bundle / "big.part00")
+    os.rename(tmp_path / "p1", bundle / "big.part01")
+    os.rename(tmp_path / "p2", bundle / "big.part02")
+    rows = {r["artifact"]: r for r in M.stash(str(bundle), str(stash))}
+    assert rows["big"]["state"] == "complete"
+    assert open(stash / "big", "rb").read() == blob
+    # idempotent
+    rows = {r["artifact"]: r for r in M.stash(str(bundle), str(stash))}
+    assert rows["big"]["state"] == "complete"
+
+
+def test_manifest_rejects_corrupt_part(tmp_path):
+    bundle, stash = tmp_path / "bundle", tmp_path / "stash"
+    bundle.mkdir()
+    _write(bundle, "x.part00", b"a" * 10)
+    _write(bundle, "x.part01", b"b" * 10)
+    json.dump(M.build_manifest(str(bundle)), open(bundle / "MANIFEST.json", "w"))
+    _write(bundle, "x.part01", b"c" * 10)
+    rows = {r["artifact"]: r for r in M.stash(str(bundle), str(stash))}
+    assert rows["x"]["state"] == "partial" and rows["x"]["bad_parts"] == ["x.part01"]
+    assert not (stash / "x").exists()
+
+
+def test_group_files_rejects_gaps():
+    with pytest.raises(ValueError):
+        M.group_files(["a.part00", "a.part02"])
+    assert M.group_files(["a.part01", "a.part00", "b"]) == {"a": ["a.part00", "a.part01"], "b": ["b"]}
+
+
+def test_policies():
+    assert B.policy_launch_args("off", "/d") == ([], {}, None)
+    args, env, cfg = B.policy_launch_args("static:s2", "/d")
+    assert args[args.index("--speculative-num-steps") + 1] == "2" and args[args.index("--speculative-num-draft-tokens") + 1] == "3"
+    assert cfg is None and "--speculative-adaptive" not in args
+    args, env, cfg = B.policy_launch_args("threshold:5:s3", "/d")
+    assert cfg == {"1": {"candidate_steps": [3]}, "5": {"candidate_steps": [0]}}
+    assert args[args.index("--speculative-num-steps") + 1] == "3"  # launch at the largest candidate (0.5.17 bug)
+    args, env, cfg = B.policy_launch_args("sglang-adaptive", "/d")
+    assert args[args.index("--speculative-num-steps") + 1] == "7" and cfg is None
+    args, env, cfg = B.policy_launch_args("specctl", "/d")
+    assert env == {"SGLANG_PLUGINS": "specctl"} and cfg["1"]["candidate_steps"] == [0, 1, 2, 3]
+    with pytest.raises(ValueError):
+        B.parse_policy("static:3")
+
+
+LOG = """[2026-11-29] Decode batch, #running-req: 1, #token: 10, token usage: 0.00, accept len: 1.50, gen throughput (token/s): 10.00, #queue-req: 0
+[2026-11-29] Decode batch, #running-req: 4, #token: 10, token usage: 0.00, accept len: 2.00, accept rate: 0.33, gen throughput (token/s): 800.00, #queue-req: 0
+[2026-11-29] Decode batch, #running-req: 4, #token: 10, token usage: 0.00, accept len: 2.00, gen throughput (token/s): 1000.00, #queue-req: 0
+[2026-11-29] Decode batch, #running-req: 3, #token: 10, token usage: 0.00, accept len: 3.00, gen throughput (token/s): 900.00, #queue-req: 0
+"""
+
+
+def test_parse_decode_lines():
+    r = B.parse_decode_lines(LOG, 4)
+    assert r["n_lines"] == 2 and r["step_ms_med"] == pytest.approx((10 + 8) / 2)
+    assert r["accept_len"] == 2.0
+    assert B.parse_decode_lines(LOG, 3)["step_ms_med"] == pytest.approx(10.0)
+    assert B.parse_decode_lines("nothing", 1)["n_lines"] == 0
+    off = "Decode batch, #running-req: 2, gen throughput (token/s): 1.0\nDecode batch, #running-req: 2, gen throughput (token/s): 400.0\n"
+    assert B.parse_decode_lines(off, 2)["step_ms_med"] == pytest.approx(5.0)
+
+
+def test_summarize_and_profile():
+    outs = [{"ttft": 0.1, "latency": 1.1, "tokens": 101, "verify_ct": 50},
+            {"ttft": 0.2, "latency": 2.2, "tokens": 201, "verify_ct": 100}, {"error": "x"}]
+    s = B.summarize_requests(outs, 2.0)
+    assert s["requests"] == 2 and s["errors"] == 1 and s["output_tokens_per_s"] == 151.0
+    assert s["median_tpot_ms"] == pytest.approx(10.0) and s["accept_length"] == pytest.approx(302 / 150, abs=1e-3)
+    runs = [{"policy": "off", "concurrency": 1, "log": {"step_ms_med": 4.0, "step_ms_cv": 0.01}},
+            {"policy": "static:s3", "concurrency": 1, "log": {"step_ms_med": 6.0, "step_ms_cv": 0.03}},
+            {"policy": "off", "concurrency": 8, "log": {"step_ms_med": 4.5, "step_ms_cv": 0.02}},
+            {"policy": "sglang-adaptive", "concurrency": 8, "log": {"step_ms_med": 5.0}}]
+    p = B.profile_from_runs(runs, "t")
+    assert p["schema"] == "specctl.profile/1" and set(p["configs"]) == {"off", "s3"}
+    assert p["configs"]["s3"] == {"steps": 3, "topk": 1, "draft_tokens": 4}
+    assert p["step_ms"]["off"] == [[1, 4.0], [8, 4.5]] and p["noise_cv"] == 0.02
+
+
+def test_prompt_sets_are_disjoint_from_benchmarks():
+    gen = P.gen_train_prompts(500)
+    assert len({x["text"] for x in gen}) == 500
+    assert not any("Complete the following Python function.\n\n```python\ndef " in x["text"] and '"""Function that' not in x["text"]
+                   and "\n    >>> " not in x["text"] for x in gen)
+    seeds = P.self_instruct_seeds(50)
+    assert len(seeds) == 50 and all("Write only" in s["text"] for s in seeds)
