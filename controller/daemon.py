@@ -36,13 +36,23 @@ class Daemon:
         self.endpoints = endpoints
         self.ctx = ctx or zmq.Context.instance()
         self._own_ctx = ctx is None
-        self.pull = transport.telemetry_pull(self.ctx, endpoints.telemetry, keys=keys, insecure=insecure)
+        for ep in (endpoints.telemetry, endpoints.publish, endpoints.status):
+            why = ep and transport.check_endpoint(ep, keys=keys, insecure=insecure)
+            if why:
+                raise transport.TransportError(why)
+        if keys is not None and keys.allowed_clients is None:
+            log.warning("CURVE without a client allow-list: any client holding the server's public "
+                        "key may connect (give --curve-allowed-dir to restrict)")
+        # the ZAP handler lives exactly as long as this daemon's sockets (stopped in close())
+        self.auth = transport.start_authenticator(self.ctx, keys)
+        self.pull = self.pub = self.rep = None
         try:
+            self.pull = transport.telemetry_pull(self.ctx, endpoints.telemetry, keys=keys, insecure=insecure)
             self.pub = transport.policy_pub(self.ctx, endpoints.publish, keys=keys, insecure=insecure)
             self.rep = (transport.status_rep(self.ctx, endpoints.status, keys=keys, insecure=insecure)
                         if endpoints.status else None)
         except Exception:
-            self.pull.close(linger=0)
+            self._close_sockets()
             raise
         self.metrics_server = None
         if metrics_port is not None:
@@ -51,7 +61,11 @@ class Daemon:
                     f"metrics on {metrics_host} would be reachable from other hosts; pass --insecure to allow")
             from prometheus_client import start_http_server
 
-            started = start_http_server(metrics_port, addr=metrics_host, registry=service.metrics.registry)
+            try:
+                started = start_http_server(metrics_port, addr=metrics_host, registry=service.metrics.registry)
+            except OSError as e:
+                self._close_sockets()
+                raise transport.TransportError(f"cannot serve metrics on {metrics_host}:{metrics_port}: {e}") from None
             self.metrics_server = started[0] if isinstance(started, tuple) else None
         self.stop_event = threading.Event()
         # Off by default: a full queue then back-pressures the senders (engines drop and count,
@@ -136,13 +150,25 @@ class Daemon:
             log.error("could not persist model state: %s", e)
         if self.service.recorder is not None:
             self.service.recorder.close()
-        for s in (self.pull, self.pub, self.rep):
-            if s is not None and not s.closed:
-                s.close(linger=0)
+        self._close_sockets()
         if self.metrics_server is not None:
             self.metrics_server.shutdown()
         if self._own_ctx:
             pass  # the shared instance context lives as long as the process
+
+
+    def _close_sockets(self) -> None:
+        for s in (self.pull, self.pub, self.rep):
+            if s is not None and not s.closed:
+                s.close(linger=0)
+        if self.auth is not None:
+            self.auth.stop()
+            self.auth = None
+
+    @property
+    def num_clients_denied(self) -> int:
+        """CURVE clients refused by the allow-list so far."""
+        return self.auth.allow_list.num_denied if self.auth is not None else 0
 
 
 def serve_forever(daemon: Daemon) -> None:

@@ -43,11 +43,42 @@ def atomic_write(path: Path, data: bytes, *, keep_prev: bool = True) -> None:
         os.close(dfd)
 
 
+def _remove_stale_tmp(directory: Path, names: tuple[str, ...]) -> int:
+    """Temporary files left by a writer that was killed mid-write (its pid is gone): without
+    this, every crash during a write would leave one behind for good."""
+    removed = 0
+    for name in names:
+        for tmp in directory.glob(f".{name}.tmp.*"):
+            try:
+                pid = int(tmp.name.rsplit(".", 1)[1])
+            except ValueError:
+                continue
+            if pid == os.getpid() or _alive(pid):
+                continue
+            try:
+                tmp.unlink()
+                removed += 1
+            except OSError:
+                pass
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True  # exists, owned by someone else
+    return True
+
+
 class StateStore:
     def __init__(self, directory: str | os.PathLike[str]):
         self.dir = Path(directory)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.problems: list[str] = []  # what was wrong with files found at load time
+        self.num_stale_tmp_removed = _remove_stale_tmp(self.dir, (POLICY_FILE, MODEL_FILE))
 
     # policy ---------------------------------------------------------------
 

@@ -8,15 +8,19 @@
     REQ   connect, RCVTIMEO, one shot -->  REP   bind      status: {"cmd": ...} -> JSON reply
 
 Endpoints default to `ipc://` sockets inside a 0700 runtime directory, or `tcp://127.0.0.1`.
-A tcp endpoint on any other interface is refused unless CURVE keys are given (or `insecure`).
+A tcp endpoint on any other interface is refused unless CURVE keys and a client allow-list are
+given (or `insecure`). With keys, every daemon socket runs CURVE and a ZAP handler
+(`start_authenticator`, owned by the daemon) admits only the allowed client public keys.
 """
 
 from __future__ import annotations
 
 import ipaddress
 import json
+import logging
 import os
 import stat
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -25,6 +29,8 @@ import zmq
 
 DEFAULT_TELEMETRY_HWM = 10_000
 DEFAULT_INGEST_HWM = 200_000
+
+log = logging.getLogger("specctl.transport")
 
 
 class TransportError(ValueError):
@@ -43,10 +49,17 @@ class CurveKeys:
 
 
 def runtime_dir(base: str | os.PathLike[str]) -> Path:
-    """Create (if needed) and check a private runtime directory for ipc sockets."""
+    """Create (if needed) and check a private runtime directory for ipc sockets: a real
+    directory (not a symlink), owned by this user, mode 0700 (tightened if it is ours)."""
     p = Path(base)
     p.mkdir(mode=0o700, parents=True, exist_ok=True)
-    st = p.stat()
+    st = os.lstat(p)
+    if not stat.S_ISDIR(st.st_mode):
+        raise TransportError(f"runtime dir {p} is not a directory (a symlink?): refusing to put sockets there")
+    if st.st_uid != os.getuid():
+        # someone else's directory (e.g. pre-created in /tmp): they could read our sockets
+        raise TransportError(f"runtime dir {p} is owned by uid {st.st_uid}, not {os.getuid()}: "
+                             "choose a private directory (SPECCTL_RUNDIR)")
     if st.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
         os.chmod(p, 0o700)
     return p
@@ -75,12 +88,81 @@ def check_endpoint(endpoint: str, *, keys: Optional[CurveKeys] = None, insecure:
             return None
     except ValueError:
         pass  # '*', a hostname or an interface name: reachable from other hosts
-    if keys is None and not insecure:
+    if insecure:
+        return None
+    if keys is None:
         return (
             f"{endpoint} is reachable from other hosts: give CURVE keys (specctl keys generate) "
-            "or pass --insecure explicitly"
+            "and --curve-allowed-dir, or pass --insecure explicitly"
+        )
+    if keys.allowed_clients is None:
+        # without an allow-list any holder of the (public) server key could feed the model
+        return (
+            f"{endpoint} is reachable from other hosts: CURVE needs a client allow-list "
+            "(--curve-allowed-dir), or pass --insecure explicitly"
         )
     return None
+
+
+def load_server_keys(secret_file: str | os.PathLike[str],
+                     allowed_dir: Optional[str | os.PathLike[str]] = None) -> CurveKeys:
+    """Server certificate (`specctl keys generate`) + the public certificates allowed in."""
+    import zmq.auth
+
+    public, secret = zmq.auth.load_certificate(secret_file)
+    if secret is None:
+        raise TransportError(f"{secret_file} holds no secret key (give the .key_secret file)")
+    allowed = None
+    if allowed_dir is not None:
+        allowed = tuple(sorted(zmq.auth.load_certificates(allowed_dir).keys()))
+    return CurveKeys(public=public, secret=secret, allowed_clients=allowed)
+
+
+def load_client_keys(secret_file: str | os.PathLike[str],
+                     server_public_file: str | os.PathLike[str]) -> CurveKeys:
+    """A client's own certificate (its .key_secret file) + the server's public certificate."""
+    import zmq.auth
+
+    public, secret = zmq.auth.load_certificate(secret_file)
+    if secret is None:
+        raise TransportError(f"{secret_file} holds no secret key (give the .key_secret file)")
+    server_public, _ = zmq.auth.load_certificate(server_public_file)
+    return CurveKeys(public=public, secret=secret, server_public=server_public)
+
+
+class ClientAllowList:
+    """ZAP credentials callback: admits the listed client public keys (Z85), counts the rest."""
+
+    def __init__(self, allowed: Optional[tuple[bytes, ...]]):
+        self.allowed = None if allowed is None else frozenset(allowed)
+        self.num_allowed = 0
+        self.num_denied = 0
+        self._lock = threading.Lock()
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        ok = self.allowed is None or key in self.allowed
+        with self._lock:
+            if ok:
+                self.num_allowed += 1
+            else:
+                self.num_denied += 1
+        if not ok:
+            log.warning("refused a CURVE client with an unknown public key %s", key.decode(errors="replace"))
+        return ok
+
+
+def start_authenticator(ctx: zmq.Context, keys: Optional[CurveKeys]) -> Optional[Any]:
+    """Start the ZAP handler of `ctx` for CURVE server sockets (None without keys). Start it
+    before binding: a handshake with no handler present is not checked. The caller stops it."""
+    if keys is None:
+        return None
+    from zmq.auth.thread import ThreadAuthenticator
+
+    auth = ThreadAuthenticator(ctx, log=logging.getLogger("specctl.zap"))
+    auth.start()
+    auth.allow_list = ClientAllowList(keys.allowed_clients)
+    auth.configure_curve_callback(domain="*", credentials_provider=auth.allow_list)
+    return auth
 
 
 def _prepare_ipc(endpoint: str) -> None:
@@ -115,7 +197,11 @@ def _bind(sock: zmq.Socket, endpoint: str, keys: Optional[CurveKeys], insecure: 
         sock.close(linger=0)
         raise TransportError(why)
     _secure_server(sock, keys)
-    _prepare_ipc(endpoint)
+    try:
+        _prepare_ipc(endpoint)
+    except (TransportError, OSError) as e:
+        sock.close(linger=0)
+        raise TransportError(f"cannot bind {endpoint}: {e}") from None
     try:
         sock.bind(endpoint)
     except zmq.ZMQError as e:

@@ -1,0 +1,194 @@
+"""CURVE + ZAP allow-list on every daemon socket, refusal of public binds without keys, private
+ipc directories: real sockets, the real Daemon, unauthenticated clients trying their luck."""
+
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import zmq
+
+from specctl.controller import transport, wire
+from specctl.controller.daemon import Daemon, Endpoints
+from specctl.controller.reliability import free_port, generate_certs
+from specctl.controller.service import ControllerService, ServiceSettings
+
+CLI = [sys.executable, "-m", "specctl.controller.cli"]
+
+
+def _frame(server: str, i: int) -> bytes:
+    return wire.encode_step_fields(server=server, rank=0, iter=i, ts=time.time(), batch_size=2, steps=1,
+                                   topk=1, draft_tokens=2, accepted=[1, 0], step_ms=7.5)
+
+
+def _tcp_endpoints():
+    return {k: f"tcp://127.0.0.1:{free_port()}" for k in ("telemetry", "publish", "status")}
+
+
+@pytest.fixture
+def certs(tmp_path):
+    return generate_certs(tmp_path / "certs")
+
+
+@pytest.fixture
+def curve_daemon(zctx, certs):
+    keys = transport.load_server_keys(certs["server"], certs["allowed_dir"])
+    eps = _tcp_endpoints()
+    svc = ControllerService(ServiceSettings(refit_interval_s=0.2, heartbeat_s=0.1))
+    d = Daemon(svc, Endpoints(eps["telemetry"], eps["publish"], eps["status"]), ctx=zctx, keys=keys)
+    th = threading.Thread(target=d.run, daemon=True)
+    th.start()
+    yield d, eps
+    d.stop_event.set()
+    th.join(5)
+
+
+def _client_keys(certs, name):
+    return transport.load_client_keys(certs[name], certs["server_public"])
+
+
+def _push_for(sender, server, seconds):
+    """Keep offering frames (a refused handshake is retried by ZeroMQ, so keep trying)."""
+    end = time.monotonic() + seconds
+    i = 0
+    while time.monotonic() < end:
+        sender.send(_frame(server, i))
+        i += 1
+        time.sleep(0.002)
+    return i
+
+
+def test_unauthenticated_clients_cannot_push_telemetry_or_read_the_policy(curve_daemon, zctx, certs):
+    daemon, eps = curve_daemon
+    plain = {"telemetry": transport.TelemetrySender(zctx, eps["telemetry"]),
+             "policy": transport.PolicyReceiver(zctx, eps["publish"])}
+    rogue_keys = _client_keys(certs, "rogue")  # a valid CURVE key pair that is not on the list
+    rogue = {"telemetry": transport.TelemetrySender(zctx, eps["telemetry"], keys=rogue_keys),
+             "policy": transport.PolicyReceiver(zctx, eps["publish"], keys=rogue_keys)}
+    tried = _push_for(plain["telemetry"], "plain", 0.6) + _push_for(rogue["telemetry"], "rogue", 0.6)
+    assert tried > 100
+    # the daemon publishes every 0.1 s: an admitted subscriber would have several frames by now
+    assert plain["policy"].wait(800) is None
+    assert rogue["policy"].wait(200) is None
+    for keys in (None, rogue_keys):
+        with pytest.raises(transport.TransportError, match="no answer"):
+            transport.status_request(zctx, eps["status"], {"cmd": "policy"}, timeout_ms=400, keys=keys)
+    assert plain["telemetry"].num_sent == 0 and rogue["telemetry"].num_sent == 0  # dropped, counted
+    assert plain["telemetry"].num_dropped > 0 and rogue["telemetry"].num_dropped > 0
+    svc = daemon.service
+    assert svc.model.num_samples_ == 0 and not svc.servers
+    assert sum(svc.status()["rejected"].values()) == 0  # nothing even reached the decoder
+    assert daemon.num_clients_denied > 0  # the rogue key was seen and refused by ZAP
+
+    good_keys = _client_keys(certs, "engine")
+    good_tx = transport.TelemetrySender(zctx, eps["telemetry"], keys=good_keys)
+    good_rx = transport.PolicyReceiver(zctx, eps["publish"], keys=good_keys)
+    sent = _push_for(good_tx, "engine", 0.5)
+    frame = good_rx.wait(3000)
+    assert frame is not None and wire.decode_policy(frame).version >= 1
+    assert transport.status_request(zctx, eps["status"], {"cmd": "ping"}, keys=good_keys) == {"kind": "pong"}
+    deadline = time.monotonic() + 5
+    while svc.model.num_samples_ < good_tx.num_sent and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert good_tx.num_sent > 0 and sent >= good_tx.num_sent
+    assert svc.model.num_samples_ == good_tx.num_sent
+    assert set(svc.servers) == {"engine"}  # nothing from "plain" or "rogue" ever got in
+    for s in (*plain.values(), *rogue.values(), good_tx, good_rx):
+        s.close()
+
+
+def _daemon(zctx, eps, **kw):
+    svc = ControllerService(ServiceSettings())
+    return Daemon(svc, Endpoints(eps["telemetry"], eps["publish"], eps["status"]), ctx=zctx, **kw)
+
+
+def test_public_tcp_needs_keys_and_an_allow_list_unless_insecure(zctx, certs, tmp_path):
+    public = {"telemetry": f"tcp://0.0.0.0:{free_port()}", "publish": f"ipc://{tmp_path}/run/p.sock",
+              "status": f"tcp://127.0.0.1:{free_port()}"}
+    with pytest.raises(transport.TransportError, match="reachable from other hosts.*--insecure"):
+        _daemon(zctx, public)
+    keys_no_list = transport.load_server_keys(certs["server"])
+    with pytest.raises(transport.TransportError, match="allow-list"):
+        _daemon(zctx, public, keys=keys_no_list)
+    for name in ("*", "eth0", "192.168.1.7", "[::]", "example.org"):
+        assert transport.check_endpoint(f"tcp://{name}:5555") is not None, name
+    for name in ("127.0.0.1", "127.3.2.1", "localhost", "[::1]"):
+        assert transport.check_endpoint(f"tcp://{name}:5555") is None, name
+    # explicitly insecure: binds, and answers (reached here through loopback)
+    d = _daemon(zctx, public, insecure=True)
+    assert d.pull.getsockopt(zmq.LAST_ENDPOINT).decode() == public["telemetry"]
+    d.close()
+    public = {**public, "telemetry": f"tcp://0.0.0.0:{free_port()}", "status": f"tcp://127.0.0.1:{free_port()}"}
+    d = _daemon(zctx, public, keys=transport.load_server_keys(certs["server"], certs["allowed_dir"]))
+    assert d.pull.getsockopt(zmq.CURVE_SERVER) and d.pub.getsockopt(zmq.CURVE_SERVER)
+    d.close()
+
+
+def test_serve_with_curve_keys_end_to_end(tmp_path, zctx, certs):
+    """The CLI plumbing: `specctl serve --curve-secret-key --curve-allowed-dir` on a public tcp
+    endpoint starts; an allowed engine is answered on every socket, a key-less client is not."""
+    run = transport.runtime_dir(tmp_path / "run")
+    eps = {"telemetry": f"tcp://0.0.0.0:{free_port()}", "publish": f"ipc://{run}/policy.sock",
+           "status": f"ipc://{run}/status.sock"}
+    proc = subprocess.Popen(CLI + ["serve", "--telemetry", eps["telemetry"], "--publish", eps["publish"],
+                                   "--status", eps["status"], "--state-dir", str(tmp_path / "state"),
+                                   "--heartbeat", "0.1", "--curve-secret-key", str(certs["server"]),
+                                   "--curve-allowed-dir", str(certs["allowed_dir"])],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        keys = _client_keys(certs, "engine")
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                transport.status_request(zctx, eps["status"], {"cmd": "ping"}, timeout_ms=500, keys=keys)
+                break
+            except transport.TransportError:
+                assert proc.poll() is None, proc.stderr.read().decode()
+                assert time.monotonic() < deadline
+        with pytest.raises(transport.TransportError):
+            transport.status_request(zctx, eps["status"], {"cmd": "ping"}, timeout_ms=300)
+        tx = transport.TelemetrySender(zctx, eps["telemetry"].replace("0.0.0.0", "127.0.0.1"), keys=keys)
+        rx = transport.PolicyReceiver(zctx, eps["publish"], keys=keys)
+        assert rx.wait(3000) is not None
+        _push_for(tx, "engine", 0.3)
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            st = transport.status_request(zctx, eps["status"], {"cmd": "status"}, keys=keys)
+            if st["records_in"] == tx.num_sent > 0:
+                break
+            time.sleep(0.05)
+        assert st["records_in"] == tx.num_sent > 0
+        tx.close()
+        rx.close()
+    finally:
+        proc.kill()
+        proc.wait(10)
+        proc.stderr.close()
+
+
+def test_ipc_sockets_live_in_a_private_directory(zctx, tmp_path):
+    loose = tmp_path / "loose"
+    loose.mkdir(mode=0o755)
+    os.chmod(loose, 0o755)
+    eps = {k: f"ipc://{loose}/{k}.sock" for k in ("telemetry", "publish", "status")}
+    d = _daemon(zctx, eps)
+    try:
+        assert (os.stat(loose).st_mode & 0o777) == 0o700
+    finally:
+        d.close()
+    fresh = tmp_path / "a" / "b"
+    d = _daemon(zctx, {k: f"ipc://{fresh}/{k}.sock" for k in ("telemetry", "publish", "status")})
+    d.close()
+    assert (os.stat(fresh).st_mode & 0o777) == 0o700
+    # a symlink planted where the sockets go, and a directory someone else owns: refused
+    (tmp_path / "link").symlink_to(loose)
+    with pytest.raises(transport.TransportError, match="not a directory"):
+        _daemon(zctx, {k: f"ipc://{tmp_path}/link/{k}.sock" for k in ("telemetry", "publish", "status")})
+    if os.getuid() == 0:
+        theirs = tmp_path / "theirs"
+        theirs.mkdir()
+        os.chown(theirs, 65534, 65534)
+        with pytest.raises(transport.TransportError, match="owned by uid 65534"):
+            _daemon(zctx, {k: f"ipc://{theirs}/{k}.sock" for k in ("telemetry", "publish", "status")})
