@@ -195,7 +195,12 @@ class ControllerService:
             tau = self.model.tokens_per_step(c)
             if tau is None or not self.model.has_step_time(c):
                 continue
-            out.append(cmpolicy.Option(c, tau, self.model.predict_step_ms(c, b)))
+            lo, hi, n = self.model.measured_range(c)
+            # extrapolate a step-time curve 2x past its measurements (4x when it spans enough
+            # batch sizes to have a slope worth trusting), and down to a quarter of its lowest
+            reach = 4 if (n >= 4 and hi >= 4 * lo) else 2
+            trusted = (b >= lo / 4.0) & (b <= hi * reach)
+            out.append(cmpolicy.Option(c, tau, self.model.predict_step_ms(c, b), trusted))
         return out
 
     def _evidence_problem(self, options: list[cmpolicy.Option]) -> Optional[str]:
@@ -224,10 +229,9 @@ class ControllerService:
             # with partial evidence (say, plain decode never measured yet) the configurations
             # that were measured compete where the base table uses one of them; elsewhere the
             # base table's choice stays
-            base = None if self.evidence is None else current
             table = cmpolicy.derive(options, previous=current if self.policy.source == "online" else None,
                                     margin=self.settings.margin, explore=explore,
-                                    explore_period=self.settings.explore_period, default=base)
+                                    explore_period=self.settings.explore_period, default=current)
             source = "online"
         elif self.policy.source == "online":
             # A learned table outlives a thin window (e.g. right after a restart): keep it

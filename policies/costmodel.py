@@ -20,15 +20,24 @@ DEFAULT_EXPLORE_PERIOD = 64  # one exploring step in 64 = 1.6% of steps (budget:
 
 @dataclass(frozen=True)
 class Option:
-    """One candidate: its tokens per step and predicted step time at b = 1..len(step_ms)."""
+    """One candidate: its tokens per step and predicted step time at b = 1..len(step_ms).
+
+    `trusted` (optional, same length): where the prediction rests on measurements nearby rather
+    than on a long extrapolation; a configuration is never chosen over, or abandoned for,
+    another where either is untrusted.
+    """
 
     config: Config
     tokens_per_step: float
     step_ms: np.ndarray
+    trusted: Optional[np.ndarray] = None
 
     def goodput(self) -> np.ndarray:
         b = np.arange(1, len(self.step_ms) + 1, dtype=float)
         return 1000.0 * b * self.tokens_per_step / self.step_ms
+
+    def trust(self) -> np.ndarray:
+        return np.ones(len(self.step_ms), bool) if self.trusted is None else np.asarray(self.trusted, bool)
 
 
 def goodput_matrix(options: Sequence[Option]) -> np.ndarray:
@@ -42,30 +51,37 @@ def choose(options: Sequence[Option], previous: Optional[PolicyTable] = None,
 
     Hysteresis: where the previous table's choice is still an option and within `margin` of the
     best, it is kept, so estimates wobbling by a percent do not move a boundary back and forth.
-    Partial evidence: where `default`'s choice is not among the options (never measured), the
-    default stays; there is nothing to compare it with.
+    Partial evidence: where `default`'s choice is not a trusted option at a batch size (never
+    measured there, or only by a long extrapolation), the default stays: there is nothing to
+    compare it with.
     """
     if not options:
         raise ValueError("no options to choose from")
     g = goodput_matrix(options)
-    best = np.argmax(g, axis=0)
-    out = [options[i].config for i in best]
+    trust = np.vstack([o.trust() for o in options])
+    gt = np.where(trust, g, -np.inf)
+    best = np.argmax(gt, axis=0)
     idx = {o.config: i for i, o in enumerate(options)}
-    if default is not None:
-        for b0 in range(g.shape[1]):
-            d = default.lookup(b0 + 1)
-            if d not in idx:
-                out[b0] = d
-        pinned = [c not in idx for c in out]
-        merged = _merge_islands([c if c in idx else None for c in out], g, idx, margin)  # type: ignore[misc]
-        return [default.lookup(b0 + 1) if pinned[b0] else merged[b0] for b0 in range(len(out))]
+    out: list[Optional[Config]] = [options[i].config if np.isfinite(gt[i, b0]) else None
+                                   for b0, i in enumerate(best)]
+    pinned = [False] * len(out)
+    for b0 in range(g.shape[1]):
+        d = default.lookup(b0 + 1) if default is not None else None
+        j = idx.get(d) if d is not None else None
+        if d is not None and (j is None or not trust[j, b0]):
+            out[b0], pinned[b0] = d, True
+        elif out[b0] is None:  # nothing trusted and no default: the best extrapolation
+            out[b0] = options[int(np.argmax(g[:, b0]))].config
     if previous is not None:
         for b0 in range(g.shape[1]):
+            if pinned[b0]:
+                continue
             prev = previous.lookup(b0 + 1)
             j = idx.get(prev)
-            if j is not None and g[j, b0] >= g[best[b0], b0] * (1.0 - margin):
+            if j is not None and trust[j, b0] and g[j, b0] >= g[best[b0], b0] * (1.0 - margin):
                 out[b0] = prev
-    return _merge_islands(out, g, idx, margin)
+    merged = _merge_islands([None if p else c for c, p in zip(out, pinned)], g, idx, margin)
+    return [c if p else m for c, p, m in zip(out, pinned, merged)]  # type: ignore[misc]
 
 
 def _merge_islands(choices: list[Config], g: np.ndarray, idx: dict[Config, int],

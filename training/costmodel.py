@@ -336,6 +336,13 @@ class CostModel:
             out.append((lo, hi, wsum * f))
         return out
 
+    def measured_range(self, c: Config) -> tuple[int, int, int]:
+        """(lowest, highest, number of) batch sizes with step-time data for c."""
+        f = self._check().get(tuple(c))  # type: ignore[arg-type]
+        if f is None:
+            return (0, 0, 0)
+        return (int(f.b[0]), int(f.b[-1]), len(f.b))
+
     def max_observed_batch(self) -> int:
         return max((b for (_, b) in self.times_), default=0)
 
