@@ -78,7 +78,7 @@ def main(log_level: str) -> None:
               help="Seconds between re-publications of an unchanged policy.")
 @click.option("--half-life", default=600.0, show_default=True, type=click.FloatRange(min=1.0),
               help="Seconds after which a step-time measurement counts half.")
-@click.option("--accept-half-life", default=30.0, show_default=True, type=click.FloatRange(min=1.0),
+@click.option("--accept-half-life", default=8.0, show_default=True, type=click.FloatRange(min=1.0),
               help="Seconds after which an acceptance measurement counts half.")
 @click.option("--mode", type=click.Choice(["online", "fixed"]), default="online", show_default=True)
 @click.option("--threshold", default=5, show_default=True, type=click.IntRange(min=1),

@@ -32,7 +32,7 @@ class ServiceSettings:
     refit_interval_s: float = 1.0
     heartbeat_s: float = 2.0
     half_life_s: float = 600.0  # step-time memory (hardware: slow to change)
-    accept_half_life_s: float = 30.0  # acceptance memory (traffic: shifts within a minute)
+    accept_half_life_s: float = 8.0  # acceptance memory (traffic: shifts within seconds)
     # below this many (decayed) requests, acceptance is re-measured by exploring a chain
     min_accept_samples: float = 64.0
     warmup_steps: int = 2

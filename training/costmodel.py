@@ -100,7 +100,7 @@ class CostModel:
     is still predicted: tau(s) = 1 + sum_{i<=s} prod_{j<=i} a_j.
     """
 
-    def __init__(self, *, half_life_s: float = 600.0, accept_half_life_s: float = 30.0,
+    def __init__(self, *, half_life_s: float = 600.0, accept_half_life_s: float = 8.0,
                  warmup_steps: int = 2,
                  min_region_samples: float = 16.0, max_batch: int = 4096):
         self.half_life_s = half_life_s
