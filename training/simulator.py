@@ -343,7 +343,8 @@ def expected_tau(A: np.ndarray) -> np.ndarray:
 class SimPolicy(Protocol):
     """What the simulator drives. `decide` picks the configuration for this step's batch; `observe`
     sees what the engine would report after it. A policy with `uses_truth = True` is handed the true
-    expected tokens per request of every profile config for the batch (the oracle)."""
+    expected tokens per request of every profile config for the batch, each request's capped by the
+    tokens it has left (the oracle): `decide_with_truth(batch_size, tau)`."""
 
     name: str
 
@@ -501,6 +502,10 @@ def simulate(profile: Profile, workload: Workload, policy: SimPolicy, *,
     cfg_steps = [int(c[0]) for c in profile.configs]
     A_by_cfg = [np.ascontiguousarray(A[:, k, : max(1, cfg_steps[k])]) for k in range(profile.num_configs)]
     uses_truth = bool(getattr(policy, "uses_truth", False))
+    # CP[class, config, j] = sum_{i<=j} P(accepted >= i): E[min(1 + accepted, R)] = 1 + CP[.., min(s, R-1)]
+    CP = np.concatenate([np.zeros(A.shape[:2] + (1,)), np.cumsum(np.cumprod(A, axis=2), axis=2)], axis=2)
+    cfg_steps_ar = np.array(cfg_steps)
+    cfg_ar = np.arange(profile.num_configs)
     reqs = _Requests(workload, max_steps)
     pos_ar = np.arange(max_steps)
     table = profile._table
@@ -601,7 +606,12 @@ def simulate(profile: Profile, workload: Workload, policy: SimPolicy, *,
             now = max(nxt, now)
             continue
 
-        if uses_truth:
+        if uses_truth and r_rem.min() <= max_steps:
+            # some request cannot use every draft position: its truth is capped by what it has left
+            m = np.minimum(cfg_steps_ar, (r_rem - 1)[:, None])
+            config = policy.decide_with_truth(bs, 1.0 + CP[r_cls[:, None], cfg_ar, m].mean(axis=0))  # type: ignore[attr-defined]
+            truth_key = (-1, -1)
+        elif uses_truth:
             # a truth-using policy is a pure function of (batch size, composition): ask on change
             if truth_key != (bs, comp_version):
                 truth_key = (bs, comp_version)

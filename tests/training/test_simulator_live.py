@@ -43,10 +43,12 @@ def test_live_engine_streams_telemetry_and_follows_the_daemon(daemon):
         pol.close()
     wall = time.monotonic() - t0
     assert 2.9 <= wall < 6.0  # paced to the wall clock: 3 virtual seconds
-    assert pol.sender.num_sent == r.num_steps and pol.sender.num_dropped == 0
+    # IMMEDIATE: frames sent before the connection completes are dropped (and counted), not queued
+    sent = pol.sender.num_sent
+    assert sent + pol.sender.num_dropped == r.num_steps and sent >= 0.95 * r.num_steps
     deadline = time.monotonic() + 5
-    while d.service.model.num_samples_ < r.num_steps and time.monotonic() < deadline:
+    while d.service.model.num_samples_ < sent and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert d.service.model.num_samples_ == r.num_steps  # every frame reached the daemon's model
+    assert d.service.model.num_samples_ == sent  # every frame sent reached the daemon's model
     assert seen and pol.engine.stats.num_updates_applied >= 1  # and its policies came back
     assert max(p.version for p in seen) >= 2
