@@ -3,6 +3,7 @@
 # .cache/sglang-<version>/ with CPU torch, sglang --no-deps, the few modules that its plugin,
 # hook-registry and adaptive-speculation modules import, and specctl itself (editable).
 # Idempotent: a venv whose stamp matches is left alone. Usage: setup_sglang_cpu.sh [VERSION...]
+# Then: .cache/sglang-<version>/bin/python -m pytest tests/plugin   (once per version)
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -21,7 +22,7 @@ setup_one() {
     local version="$1"
     local dir="$ROOT/.cache/sglang-$version"
     local stamp="$dir/.specctl-stamp"
-    local want="sglang=$version torch=$TORCH_VERSION deps=${DEPS[*]} v3"
+    local want="sglang=$version torch=$TORCH_VERSION deps=${DEPS[*]} v4"
     if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && "$dir/bin/python" - "$version" <<'PYEOF'
 import sys, importlib.metadata as md
 assert md.version("sglang") == sys.argv[1]
@@ -45,7 +46,8 @@ PYEOF
     case "$version" in 0.5.1?|0.5.1?.*) ;; *) extra=(apache-tvm-ffi==0.1.11) ;; esac
     "${pip[@]}" -c "$cons" "${DEPS[@]}" "${extra[@]}"
     "${pip[@]}" -c "$cons" --no-deps "sglang==$version"
-    "${pip[@]}" -c "$cons" -e "$ROOT" pytest
+    # specctl with its test extras: any test of the suite can run in this env
+    "${pip[@]}" -c "$cons" -e "$ROOT[test]"
     local site
     site="$("$dir/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
     if ! "$dir/bin/python" -c 'import torchvision' 2>/dev/null; then
@@ -66,7 +68,8 @@ PYEOF
 import sys, importlib.metadata as md
 import torch
 assert md.version("sglang") == sys.argv[1], md.version("sglang")
-assert not torch.cuda.is_available() and "+cpu" in torch.__version__ or True
+if "+cpu" not in torch.__version__:
+    print(f"warning: torch {torch.__version__} is not a CPU build (pip found no local +cpu wheel)")
 import sglang.srt.plugins, sglang.srt.plugins.hook_registry
 import sglang.srt.speculative.adaptive_spec_params, sglang.srt.speculative.adaptive_runtime_state
 import sglang.srt.distributed.parallel_state

@@ -48,7 +48,7 @@ def load_standin():
     return sys.modules[STANDIN]
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def plugged():
     """This pytest process as an SGLang scheduler process: SPECCTL_* set, load_plugins() called
     from a frame named run_scheduler_process (as sglang's scheduler.py does), and our two
@@ -86,3 +86,24 @@ def plugged():
     rt.rundir = rundir
     yield rt
     rt.close()
+    _unpatch_policy_class()
+    HookRegistry.reset()
+    sglang_hooks._RUNTIME = None
+
+
+def _unpatch_policy_class():
+    """Undo the REPLACE everywhere it was propagated, so that later tests in this process (e.g. the
+    SGLang-port test of policies/) see SGLang's own class again."""
+    import sglang.srt.speculative.adaptive_spec_params as asp
+
+    ours = asp.AdaptiveSpeculativeParams
+    if ours.__name__ != "SpecctlSpeculativeParams":
+        return
+    original = ours.__mro__[1]
+    for mod in list(sys.modules.values()):
+        try:
+            names = [k for k, v in vars(mod).items() if v is ours]
+        except TypeError:
+            continue
+        for k in names:
+            setattr(mod, k, original)

@@ -7,6 +7,7 @@ import dataclasses
 import json
 import logging
 import os
+import socket
 import subprocess
 import sys
 import textwrap
@@ -290,7 +291,9 @@ def test_two_gloo_ranks_make_identical_choices_while_policies_land_mid_run(tmp_p
     endpoint = f"ipc://{tmp_path}/policy.sock"
     ctx = zmq.Context.instance()
     pub = transport.policy_pub(ctx, endpoint)
-    port = 20000 + os.getpid() % 20000
+    with socket.socket() as s:  # a free loopback port for torch.distributed's rendezvous
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
     procs = [subprocess.Popen([sys.executable, str(HERE / "tp_rank.py"), str(r), "2", str(port),
                                endpoint, str(tmp_path)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
              for r in range(2)]
