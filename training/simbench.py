@@ -381,6 +381,8 @@ def plot(results: Sequence[SimResult], path: str | Path, title: str = "") -> Non
     width = edges[1] - edges[0]
     fig, (ax1, ax2, ax3) = plt.subplots(3, 1, figsize=(11, 8.5), sharex=True,
                                         gridspec_kw={"height_ratios": [3, 2, 1.2]})
+    for ax in (ax1, ax2):
+        ax.set_prop_cycle(color=plt.cm.tab20.colors[::2] + plt.cm.tab20.colors[1::2])
     for r in results:
         idx = np.clip(np.searchsorted(edges, r.trace_t, side="right") - 1, 0, nbins - 1)
         tok = np.bincount(idx, weights=r.trace_tokens, minlength=nbins) / width

@@ -242,3 +242,16 @@ def test_truth_policy_sees_the_batch_composition():
     tau = expected_tau(accept_matrix(prof, wl))
     assert np.allclose(code_only, tau[0])  # phase 1 is all code
     assert any(not np.allclose(t, tau[0]) for t in seen)  # phase 2 mixes chat in
+
+
+def test_sglang_ema_keeps_probing_in_the_simulator():
+    # drafts never accepted, batch 16 (slot "8": [0, 1, 3]): SGLang's slot sits at 0 but probes
+    # steps=1 for 5 of every 10 batches, forever (the documented 50 % probing)
+    prof = parse_profile(PROFILE)
+    cls = {"x": {"accept": {"s1": [0.0], "s3": [0.0, 0.0, 0.0]}, "output_tokens": [100000, 100000]}}
+    wl = parse_workload({"schema": "specctl.workload/1", "seed": 1, "classes": cls,
+                         "phases": [{"duration_s": 20, "concurrency": 16, "mix": {"x": 1}}]})
+    r = _sim(prof, wl, "sglang-ema")
+    share = r.phases[0].summary()["config_share"]
+    assert share["s1"] == pytest.approx(0.5, abs=0.02) and share["off"] == pytest.approx(0.5, abs=0.02)
+    assert _sim(prof, wl, "oracle").phases[0].summary()["config_share"] == {"off": 1.0}
