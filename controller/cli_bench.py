@@ -94,9 +94,12 @@ def bench_sim(profile_name: Optional[str], workload_name: Optional[str], policie
         rep.results.append(res)
         rep.labels.append("adaptive over live ZeroMQ against specctl serve")
     click.echo(simbench.format_report(rep))
-    cmd = "specctl bench sim " + " ".join(sys.argv[3:]) if len(sys.argv) > 3 else None
+    cmd = " ".join(["specctl bench sim", "--profile", profile_name, "--workload", workload_name]
+                   + [f"--policy {p}" for p in policies] + ([f"--seed {seed}"] if seed is not None else [])
+                   + (["--search"] if search else ["--no-search"] if search is False else [])
+                   + ([f"--live {live}"] if live else []))
     if json_out:
-        simbench.write_json(rep, json_out, {"command": cmd} if cmd else None)
+        simbench.write_json(rep, json_out, {"command": cmd})
         click.echo(f"wrote {json_out}", err=True)
     if plot_out:
         try:

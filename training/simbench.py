@@ -342,6 +342,17 @@ def format_report(rep: BenchReport) -> str:
     for r in rows:
         lines.append(f"{r['policy']:<{w}}  {r['tokens_per_s']:>9.1f}  {f(r['oracle_ratio'], '.3f'):>8}  "
                      f"{f(r['mean_tpot_ms'], '.2f'):>8}  {f(r['p99_tpot_ms'], '.2f'):>8}")
+    by = {r["policy"]: r for r in rows}
+    bs = next((r for r in rows if r["policy"].startswith("best-static=")), None)
+    bt = next((r for r in rows if r["policy"].startswith("best-threshold=")), None)
+    for a in (r for r in rows if r["policy"].startswith("adaptive")):
+        parts = []
+        for label, ref in (("oracle", by.get("oracle")), ("best static", bs), ("best threshold", bt),
+                           ("sglang-ema", by.get("sglang-ema"))):
+            if ref is not None and ref["tokens_per_s"] > 0:
+                parts.append(f"{a['tokens_per_s'] / ref['tokens_per_s']:.3f}x {label}")
+        if parts:
+            lines.append(f"{a['policy']}: " + ", ".join(parts))
     if rep.open_loop:
         lines.append("(open-loop phases: while the engine keeps up, tokens/s is the offered load for every "
                      "policy; compare TPOT)")
