@@ -319,6 +319,7 @@ def test_two_gloo_ranks_make_identical_choices_while_policies_land_mid_run(tmp_p
     assert logs[0]["receiver"] and not logs[1]["receiver"]  # only TP rank 0 listens
     assert logs[0]["steps"] == logs[1]["steps"] and logs[0]["versions"] == logs[1]["versions"]
     assert len(logs[0]["steps"]) >= 3000
+    assert logs[0]["num_broadcasts"] == logs[1]["num_broadcasts"] == 3000 // 8
     applied = [v for v in logs[0]["versions"] if v is not None]
     assert len(set(applied)) >= 3, f"too few policy versions landed mid-run: {sorted(set(applied))}"
     for bs, steps, v in zip(logs[0]["sizes"], logs[0]["steps"], logs[0]["versions"]):

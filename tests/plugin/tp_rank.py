@@ -67,6 +67,19 @@ worker.init_cuda_graphs([1, 2, 4, 8, 16, 32])
 eng = worker.adaptive_controller.params.specctl
 assert eng.rank == rank, (eng.rank, rank)
 
+bcast_ns = []
+_bcast = rt._broadcast
+
+
+def timed_broadcast(obj):
+    t0 = time.perf_counter_ns()
+    try:
+        return _bcast(obj)
+    finally:
+        bcast_ns.append(time.perf_counter_ns() - t0)
+
+
+rt._broadcast = timed_broadcast
 dist.barrier(group=tp.cpu_group)
 if rank == 0:
     (outdir / "running").write_text("1")
@@ -84,5 +97,7 @@ dist.barrier(group=tp.cpu_group)
 steps = [worker.used[i][1] for i in range(len(sizes))]
 (outdir / f"rank{rank}.json").write_text(json.dumps({
     "steps": steps, "versions": versions, "sizes": sizes, "receiver": rt.receiver is not None,
-    "status": eng.status()}))
-print(f"rank {rank}: {eng.status()}", flush=True)
+    "status": eng.status(), "broadcast_us_median": sorted(bcast_ns)[len(bcast_ns) // 2] / 1000,
+    "num_broadcasts": len(bcast_ns)}))
+print(f"rank {rank}: {eng.status()}; {len(bcast_ns)} broadcasts, median "
+      f"{sorted(bcast_ns)[len(bcast_ns) // 2] / 1000:.1f} us", flush=True)
