@@ -29,8 +29,9 @@ class LaunchArgs:
         cfg = json.dumps(self.adaptive_config)
         env = " ".join(f"{k}={shlex.quote(v)}" for k, v in self.env.items())
         flags = " ".join(shlex.quote(f) for f in self.flags)
-        return (f"cat > {shlex.quote(self.config_path)} <<'JSON'\n{cfg}\nJSON\n"
-                f"{env} {launcher} <your model and server flags> {flags}\n")
+        return (f"# set MODEL and DRAFT (its EAGLE-3 draft model); add your other server flags\n"
+                f"cat > {shlex.quote(self.config_path)} <<'JSON'\n{cfg}\nJSON\n"
+                f'{env} {launcher} --model-path "$MODEL" --speculative-draft-model-path "$DRAFT" {flags}\n')
 
     def to_obj(self) -> dict[str, Any]:
         return {"adaptive_config": self.adaptive_config, "flags": self.flags, "env": self.env,
