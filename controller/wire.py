@@ -48,6 +48,22 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
+class _Versioned(_Strict):
+    """A top-level record: `kind` discriminates, `schema` must be the version this build reads."""
+
+    kind: str
+    schema_: int = Field(alias="schema", default=SCHEMA_VERSION)
+
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False, populate_by_name=True)
+
+    @field_validator("schema_")
+    @classmethod
+    def _schema(cls, v: int) -> int:
+        if v != SCHEMA_VERSION:
+            raise ValueError(f"unsupported schema version {v} (this build reads {SCHEMA_VERSION})")
+        return v
+
+
 class SpecConfig(_Strict):
     """One speculative configuration; steps == 0 is plain decode."""
 
@@ -120,11 +136,10 @@ def parse_config(text: str) -> SpecConfig:
     )
 
 
-class StepRecord(_Strict):
+class StepRecord(_Versioned):
     """Telemetry: one decode step of one engine rank."""
 
     kind: Literal["step"] = "step"
-    schema_: int = Field(alias="schema", default=SCHEMA_VERSION)
     server: str = Field(min_length=1, max_length=128)
     rank: int = Field(ge=0, le=65535)
     iter: int = Field(ge=0)
@@ -136,17 +151,6 @@ class StepRecord(_Strict):
     )
     step_ms: float = Field(gt=0, lt=600_000)
     ctx_tokens: Optional[int] = Field(default=None, ge=0)
-
-    model_config = ConfigDict(
-        extra="forbid", frozen=True, allow_inf_nan=False, populate_by_name=True
-    )
-
-    @field_validator("schema_")
-    @classmethod
-    def _schema(cls, v: int) -> int:
-        if v != SCHEMA_VERSION:
-            raise ValueError(f"unsupported schema version {v} (this build reads {SCHEMA_VERSION})")
-        return v
 
     @model_validator(mode="after")
     def _accepted_fits(self) -> "StepRecord":
@@ -178,7 +182,7 @@ class TableEntry(_Strict):
         return self
 
 
-class PolicyRecord(_Strict):
+class PolicyRecord(_Versioned):
     """The batch-size -> configuration table, as published, persisted and printed.
 
     `explore` (optional) lists batch-size ranges where a configuration lacks data; the engine
@@ -186,7 +190,6 @@ class PolicyRecord(_Strict):
     """
 
     kind: Literal["policy"] = "policy"
-    schema_: int = Field(alias="schema", default=SCHEMA_VERSION)
     version: int = Field(ge=0)
     created_at: float = Field(ge=0)
     source: Literal["online", "fixed", "file"]
@@ -194,17 +197,6 @@ class PolicyRecord(_Strict):
     model: dict[str, Any] = Field(default_factory=dict)
     explore: Optional[list[TableEntry]] = Field(default=None, max_length=MAX_TABLE_ROWS)
     explore_period: Optional[int] = Field(default=None, ge=50)
-
-    model_config = ConfigDict(
-        extra="forbid", frozen=True, allow_inf_nan=False, populate_by_name=True
-    )
-
-    @field_validator("schema_")
-    @classmethod
-    def _schema(cls, v: int) -> int:
-        if v != SCHEMA_VERSION:
-            raise ValueError(f"unsupported schema version {v} (this build reads {SCHEMA_VERSION})")
-        return v
 
     @model_validator(mode="after")
     def _covers(self) -> "PolicyRecord":
@@ -263,32 +255,26 @@ def _reason(e: ValidationError) -> str:
     return "bad_value"
 
 
-def decode(frame: bytes | str) -> StepRecord | PolicyRecord:
-    """Parse one frame into a record; raises WireError(reason, detail) on anything else."""
+def _validate(adapter: TypeAdapter, frame: bytes | str) -> Any:
     if len(frame) > MAX_FRAME_BYTES:
         raise WireError("too_large", f"frame of {len(frame)} bytes exceeds {MAX_FRAME_BYTES}")
     try:
-        return _RECORD.validate_json(frame)
+        return adapter.validate_json(frame)
     except ValidationError as e:
         raise WireError(_reason(e), _first_error(e)) from None
+
+
+def decode(frame: bytes | str) -> StepRecord | PolicyRecord:
+    """Parse one frame into a record; raises WireError(reason, detail) on anything else."""
+    return _validate(_RECORD, frame)
 
 
 def decode_step(frame: bytes | str) -> StepRecord:
-    if len(frame) > MAX_FRAME_BYTES:
-        raise WireError("too_large", f"frame of {len(frame)} bytes exceeds {MAX_FRAME_BYTES}")
-    try:
-        return _STEP.validate_json(frame)
-    except ValidationError as e:
-        raise WireError(_reason(e), _first_error(e)) from None
+    return _validate(_STEP, frame)
 
 
 def decode_policy(frame: bytes | str) -> PolicyRecord:
-    if len(frame) > MAX_FRAME_BYTES:
-        raise WireError("too_large", f"frame of {len(frame)} bytes exceeds {MAX_FRAME_BYTES}")
-    try:
-        return _POLICY.validate_json(frame)
-    except ValidationError as e:
-        raise WireError(_reason(e), _first_error(e)) from None
+    return _validate(_POLICY, frame)
 
 
 def policy_from_obj(obj: Any) -> PolicyRecord:
