@@ -16,10 +16,17 @@ $(VENV)/.specctl-stamp: pyproject.toml
 demo: setup
 	$(VENV)/bin/specctl demo
 
-# the sglang CPU environments (0.5.17 and 0.5.23) for the plugin tests, then every test
+SGLANG_VERSIONS ?= 0.5.17 0.5.23
+
+# every test; then the plugin against the real sglang modules of each supported release
+# (CPU environments under .cache/, built by scripts/setup_sglang_cpu.sh)
 test: setup
-	bash scripts/setup_sglang_cpu.sh
+	bash scripts/setup_sglang_cpu.sh $(SGLANG_VERSIONS)
 	$(PY) -m pytest -q
+	for v in $(SGLANG_VERSIONS); do \
+	  echo "== plugin tests on sglang $$v"; \
+	  .cache/sglang-$$v/bin/python -m pytest -q tests/plugin tests/policies/test_baselines.py || exit 1; \
+	done
 
 test-fast: setup
 	$(PY) -m pytest -q -m "not slow"
