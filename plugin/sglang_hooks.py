@@ -114,13 +114,19 @@ class PluginRuntime:
             self.tp_group = self.tp_group_fn()
             self.rank = int(getattr(self.tp_group, "rank_in_group", 0))
             self.world_size = int(getattr(self.tp_group, "world_size", 1))
+            no_group = None
         except Exception as e:  # noqa: BLE001
             self.tp_group, self.rank, self.world_size = None, 0, 1
-            self.warn_once(f"no TP group ({type(e).__name__}: {e}); running as a single rank")
+            no_group = f"no TP group ({type(e).__name__}: {e})"
         eng = EngineController(self.settings, candidate_steps=candidate_steps, clock=self.clock,
                                rank=self.rank, initial_policy=self.policy_file_bytes)
         self.engine = eng
-        if self.rank == 0:
+        if no_group is not None:
+            # Without the group this process cannot tell its rank: every rank would think it is
+            # rank 0 and apply policies at its own pace. The fixed fallback is the same everywhere.
+            self.sync_on = False
+            eng.fail(f"{no_group}; fixed-threshold policy on every rank")
+        elif self.rank == 0:
             self._open_transport()
         if self.timer is None and self.rank == 0 and self.telemetry_on:
             self.timer = _default_timer()

@@ -218,3 +218,18 @@ def test_step_record_accepted_lists_of_every_shape():
         assert json.loads(frame).get("accepted") == (acc or None)
         if acc:
             assert frame == wire.encode(wire.decode_step(frame))
+
+
+def test_without_a_tp_group_every_rank_runs_the_fixed_fallback():
+    # a process that cannot learn its TP rank must not listen to the daemon as if it were rank 0
+    from specctl.plugin.sglang_hooks import PluginRuntime
+
+    def no_group():
+        raise RuntimeError("parallel state not initialised")
+
+    rt = PluginRuntime(PluginSettings(mode="online", policy_endpoint="ipc:///nonexistent/p.sock"),
+                       tp_group_fn=no_group)
+    eng = rt.new_engine([0, 1, 3])
+    assert eng.failed and "no TP group" in eng.failed
+    assert rt.receiver is None and rt.sync_on is False
+    assert [eng.decide(b) for b in (1, 4, 5, 64)] == [3, 3, 0, 0]
