@@ -97,8 +97,11 @@ def summarize_requests(outs, wall):
             "accept_length": r(acc)}
 
 
-def profile_from_runs(runs, name):
-    """Simulator cost profile (specctl.profile/1) from the static/off sweep rows' log step times."""
+def profile_from_runs(runs, name, source="log"):
+    """Simulator cost profile (specctl.profile/1) from the static/off sweep rows.
+    source="log": median step time of SGLang's Decode-batch lines at that batch size; source="client": median
+    per-request time per decode step seen by the client, median_tpot_ms * accept_length (every request's whole
+    decode, so it also carries the prefills of requests joining a closed loop)."""
     cfgs, step_ms, cvs = {}, {}, []
     for row in runs:
         p = parse_policy(row["policy"])
@@ -109,10 +112,16 @@ def profile_from_runs(runs, name):
         else:
             continue
         lg = row.get("log") or {}
-        if not lg.get("step_ms_med"):
-            continue
+        if source == "client":
+            if not row.get("median_tpot_ms"):
+                continue
+            v = round(row["median_tpot_ms"] * (row.get("accept_length") or 1.0), 4)
+        else:
+            if not lg.get("step_ms_med"):
+                continue
+            v = lg["step_ms_med"]
         cfgs[key] = c
-        step_ms.setdefault(key, []).append([row["concurrency"], lg["step_ms_med"]])
+        step_ms.setdefault(key, []).append([row["concurrency"], v])
         if lg.get("step_ms_cv") is not None:
             cvs.append(lg["step_ms_cv"])
     for k in step_ms:

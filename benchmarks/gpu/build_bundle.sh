@@ -13,7 +13,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 B=benchmarks/gpu/bundle; W=$B/wheels; mkdir -p $W
-PART_MB=${PART_MB:-56}
+PART_MB=${PART_MB:-48}
 PY312=${PY312:-$(command -v python3.12 || true)}
 [ -x "${PY312:-}" ] && "$PY312" -c 'import sys; assert sys.version_info[:2]==(3,12)' 2>/dev/null || PY312=$(ls -d ~/.pyenv/versions/3.12*/bin/python 2>/dev/null | head -1)
 "$PY312" -c 'import sys; assert sys.version_info[:2]==(3,12), sys.version' || { echo "need a CPython 3.12 (set PY312)"; exit 2; }
@@ -44,7 +44,7 @@ fi
 
 # ---- 3. the overlay: pip --target, no deps, no bytecode; xz; split
 S=$(mktemp -d)/site
-$PY312 -m pip install -q --target $S --no-deps --no-compile $(ls $W/*.whl | grep -v -e sgl_deep_gemm -e gguf-)
+$PY312 -m pip install -q --target $S --no-deps --no-compile $(ls $W/*.whl | grep -v -e sgl_deep_gemm)   # gguf too: sglang imports it
 tar xzf $SLIM -C $S
 find $S -name __pycache__ -prune -exec rm -rf {} +
 rm -f $B/site.txz.part* $B/gguf.part*

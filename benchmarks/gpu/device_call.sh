@@ -22,8 +22,11 @@ case $step in
     timeout ${TRAIN_TIMEOUT:-420} python3 benchmarks/gpu/train_draft.py --target $M/base --prompts $S/aux/prompts --out $M/draft "$@" 2>&1 \
       | grep -v -i -e warn -e "Loading weights" -e clean_up | tee $OUT/train.log | tail -8
     cp $M/draft/train_report.json $M/draft/config.json $OUT/ && split -b 15M -d $M/draft/model.safetensors $OUT/draft.safetensors.part ;;
-  use-draft)
-    mkdir -p $M/draft && cp "$1"/config.json "$1"/model.safetensors $M/draft/ ;;
+  use-draft)  # a committed draft dir; model-nohead.safetensors gets its lm_head back from /tmp/m/base (draft_io.py)
+    mkdir -p $M/draft && cp "$1"/config.json $M/draft/
+    if [ -f "$1"/model-nohead.safetensors ]; then python3 benchmarks/gpu/draft_io.py restore "$1"/model-nohead.safetensors $M/base $M/draft/model.safetensors
+    else cp "$1"/model.safetensors $M/draft/; fi
+    sha256sum $M/draft/model.safetensors ;;
   bench)
     [ -f /tmp/site/.checked ] || { echo "NEED the site (site.txz carried + stash step)"; exit 3; }
     for f in $M/base/tokenizer* $M/base/chat_template.jinja $M/base/special_tokens_map.json; do [ -f "$f" ] && cp "$f" $M/draft/; done

@@ -118,3 +118,26 @@ def test_prompt_sets_are_disjoint_from_benchmarks():
                    and "\n    >>> " not in x["text"] for x in gen)
     seeds = P.self_instruct_seeds(50)
     assert len(seeds) == 50 and all("Write only" in s["text"] for s in seeds)
+
+
+def test_draft_head_strip_restore(tmp_path):
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("safetensors")
+    from safetensors.torch import load_file, save_file
+    import draft_io as D
+    base = tmp_path / "base"
+    base.mkdir()
+    emb = torch.randn(50, 8).to(torch.bfloat16)
+    save_file({"model.embed_tokens.weight": emb}, str(base / "model.safetensors"))
+    hot = torch.tensor([3, 7, 11, 40])
+    full = {"d2t": hot - torch.arange(4), "fc.weight": torch.randn(8, 24).to(torch.bfloat16), "lm_head.weight": emb[hot].clone()}
+    save_file(full, str(tmp_path / "full.safetensors"))
+    D.strip(str(tmp_path / "full.safetensors"), str(base), str(tmp_path / "slim.safetensors"))
+    assert "lm_head.weight" not in load_file(str(tmp_path / "slim.safetensors"))
+    D.restore(str(tmp_path / "slim.safetensors"), str(base), str(tmp_path / "back.safetensors"))
+    back = load_file(str(tmp_path / "back.safetensors"))
+    assert all(torch.equal(back[k], full[k]) for k in full)
+    full["lm_head.weight"] = full["lm_head.weight"] + 1  # a trained head must not be stripped
+    save_file(full, str(tmp_path / "trained.safetensors"))
+    with pytest.raises(SystemExit):
+        D.strip(str(tmp_path / "trained.safetensors"), str(base), str(tmp_path / "x.safetensors"))
