@@ -128,3 +128,26 @@ def profile_from_runs(runs, name, source="log"):
         step_ms[k].sort()
     return {"schema": "specctl.profile/1", "name": name, "configs": cfgs, "step_ms": step_ms,
             "noise_cv": round(st.median(cvs), 4) if cvs else 0.05}
+
+
+def identity_report(outputs):
+    """outputs: {policy: {prompt id: greedy output ids}} -> per policy, how many prompts match 'off' token for
+    token and where the first differing token is (None where identical)."""
+    ref = outputs.get("off")
+    rep = {}
+    for pol, outs in outputs.items():
+        if ref is None:
+            rep[pol] = None
+            continue
+        firsts = {}
+        for pid, ids in outs.items():
+            r = ref.get(pid)
+            if r is None or ids is None:
+                continue
+            k = next((i for i, (x, y) in enumerate(zip(ids, r)) if x != y), None)
+            if k is None and len(ids) != len(r):
+                k = min(len(ids), len(r))
+            firsts[pid] = k
+        rep[pol] = {"identical": sum(1 for k in firsts.values() if k is None), "of": len(firsts),
+                    "first_divergence": {p: k for p, k in sorted(firsts.items()) if k is not None}}
+    return rep

@@ -37,7 +37,7 @@ import urllib.request
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import prompts as P  # noqa: E402
-from benchlib import parse_decode_lines, policy_launch_args, profile_from_runs, summarize_requests  # noqa: E402
+from benchlib import identity_report, parse_decode_lines, policy_launch_args, profile_from_runs, summarize_requests  # noqa: E402
 
 PHASES = [  # duration_s, concurrency, mix
     {"duration_s": 20, "concurrency": 2, "mix": {"code": 1.0}},
@@ -76,7 +76,7 @@ def kill_tree(proc):
             pass
 
 
-async def one_request(session, port, ids, new, out, stream=True):
+async def one_request(session, port, ids, new, out, stream=True, pid=None):
     """Streaming /generate; records ttft, latency, tokens, verify count (stream=False: also the output ids)."""
     body = {"input_ids": ids, "sampling_params": {"temperature": 0, "max_new_tokens": new}, "stream": stream}
     t = time.perf_counter()
@@ -87,7 +87,7 @@ async def one_request(session, port, ids, new, out, stream=True):
                 o = await r.json()
             out.append({"ttft": None, "latency": time.perf_counter() - t, "tokens": o["meta_info"].get("completion_tokens", 0),
                         "verify_ct": o["meta_info"].get("spec_verify_ct"), "t_end": time.time(), "ids": o.get("output_ids"),
-                        "n": len(out)})
+                        "pid": pid})
             return
         async with session.post(f"http://127.0.0.1:{port}/generate", json=body) as r:
             async for raw in r.content:
@@ -116,7 +116,8 @@ async def closed_loop(port, items, conc, n_req, new, stream=True):
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=900)) as s:
         async def worker(k):
             for _ in range(k):
-                await one_request(s, port, next(it)["ids"], new, out, stream)
+                x = next(it)
+                await one_request(s, port, x["ids"], new, out, stream, x.get("id"))
         per = [n_req // conc + (1 if i < n_req % conc else 0) for i in range(conc)]
         t = time.time()
         await asyncio.gather(*[worker(k) for k in per if k])
@@ -258,7 +259,7 @@ def main():
             # warm-up, then identity probe
             asyncio.run(closed_loop(sv["port"], mixed[:8], 8, 8, 16))
             outs, _ = asyncio.run(closed_loop(sv["port"], mixed[:16], 16, 16, 64, stream=False))
-            result["identity"][pol] = sorted(json.dumps(o.get("ids")) for o in outs)
+            result["identity"][pol] = {o.get("pid"): o.get("ids") for o in outs}
             if a.accept_eval and pol != "off":
                 acc = {}
                 for name, items in (("mtbench", mtb), ("humaneval", he)):
@@ -298,8 +299,7 @@ def main():
             if sv.get("side"):
                 kill_tree(sv["side"])
             time.sleep(2)
-    ref = result["identity"].get("off")
-    result["identity"] = {p: (None if ref is None else v == ref) for p, v in result["identity"].items()}
+    result["identity"] = identity_report(result["identity"])
     prof = profile_from_runs(result["runs"], f"h200-smollm2-135m-{a.variant}")
     json.dump(result, open(os.path.join(a.out, f"bench-{a.variant}.json"), "w"), indent=1)
     json.dump(prof, open(os.path.join(a.out, f"profile-{a.variant}.json"), "w"), indent=1)

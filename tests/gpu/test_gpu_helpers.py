@@ -141,3 +141,12 @@ def test_draft_head_strip_restore(tmp_path):
     save_file(full, str(tmp_path / "trained.safetensors"))
     with pytest.raises(SystemExit):
         D.strip(str(tmp_path / "trained.safetensors"), str(base), str(tmp_path / "x.safetensors"))
+
+
+def test_identity_report():
+    r = B.identity_report({"off": {"a": [1, 2, 3], "b": [4, 5]}, "static:s3": {"a": [1, 2, 3], "b": [4, 6]},
+                           "x": {"a": [1, 2], "b": [4, 5]}})
+    assert r["off"] == {"identical": 2, "of": 2, "first_divergence": {}}
+    assert r["static:s3"] == {"identical": 1, "of": 2, "first_divergence": {"b": 1}}
+    assert r["x"]["first_divergence"] == {"a": 2}
+    assert B.identity_report({"static:s1": {"a": [1]}}) == {"static:s1": None}

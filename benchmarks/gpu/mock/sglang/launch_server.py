@@ -1,0 +1,44 @@
+# A stand-in for `python3 -m sglang.launch_server` (CPU, stdlib) to exercise run_bench.py without a GPU:
+#   PYTHONPATH=benchmarks/gpu/mock python3 benchmarks/gpu/run_bench.py --model <dir with a tokenizer> ...
+# Serves /health and /generate (streaming or not) with fake tokens and prints SGLang-style Decode-batch lines.
+import sys, json, time, threading, random
+from http.server import ThreadingHTTPServer, BaseHTTPRequestHandler
+args = sys.argv[1:]
+port = int(args[args.index("--port") + 1])
+spec = "--speculative-algorithm" in args
+steps = int(args[args.index("--speculative-num-steps") + 1]) if spec else 0
+state = {"running": 0}
+lock = threading.Lock()
+def logger():
+    while True:
+        time.sleep(0.05)
+        n = state["running"]
+        if n:
+            acc = f"accept len: {1 + steps * 0.5:.2f}, " if spec else ""
+            print(f"[x] Decode batch, #running-req: {n}, #token: 5, token usage: 0.01, {acc}gen throughput (token/s): {n * 200.0:.2f}, #queue-req: 0", flush=True)
+threading.Thread(target=logger, daemon=True).start()
+class H(BaseHTTPRequestHandler):
+    def log_message(self, *a): pass
+    def do_GET(self):
+        self.send_response(200); self.end_headers(); self.wfile.write(b"ok")
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        new = body["sampling_params"]["max_new_tokens"]; ids = [sum(body["input_ids"]) % 1000 + i for i in range(new)]
+        with lock: state["running"] += 1
+        vct = new if not spec else int(new / (1 + steps * 0.5)) + 1
+        try:
+            if body.get("stream"):
+                self.send_response(200); self.send_header("Content-Type", "text/event-stream"); self.end_headers()
+                for i in range(0, new, 8):
+                    time.sleep(0.002)
+                    o = {"text": "x", "output_ids": ids[i:i + 8], "meta_info": {"completion_tokens": min(new, i + 8), "spec_verify_ct": vct if spec else None}}
+                    self.wfile.write(f"data: {json.dumps(o)}\n\n".encode()); self.wfile.flush()
+                self.wfile.write(b"data: [DONE]\n\n")
+            else:
+                time.sleep(0.01)
+                o = json.dumps({"text": "x", "output_ids": ids, "meta_info": {"completion_tokens": new, "spec_verify_ct": vct if spec else None}}).encode()
+                self.send_response(200); self.send_header("Content-Type", "application/json"); self.send_header("Content-Length", str(len(o))); self.end_headers(); self.wfile.write(o)
+        finally:
+            with lock: state["running"] -= 1
+time.sleep(1)
+ThreadingHTTPServer(("127.0.0.1", port), H).serve_forever()
