@@ -16,8 +16,9 @@ accept_len / gen_throughput (ms); the static policies' medians at each swept bat
 profile in the simulator format (specctl.profile/1).
 
 Policies: off | static:sN | threshold:T:sN (SGLang adaptive with slots {"1": [N], "T": [0]}: N steps below
-batch size T, steps 0 from T up; batch sizes are padded to a CUDA-graph size before the slot lookup, so T
-must be a CUDA-graph size boundary + 1, e.g. 5 with graph sizes 4 and 8) | sglang-adaptive (built-in EMA
+batch size T, steps 0 from T up; SGLang pads a batch to a CUDA-graph size before the slot lookup; with
+speculation 0.5.17 captures every size 1..8, then 10..32 by 2, 40..64 by 4, 72..256 by 8, so T <= 8 is
+exact and a larger T should be one of those sizes) | sglang-adaptive (built-in EMA
 policy, default config, launched at its largest candidate 7: the 0.5.17 logits-buffer bug) | specctl
 (plugin + daemon: --specctl-serve-cmd starts `specctl serve`, SGLANG_PLUGINS=specctl; launched with an
 adaptive config whose candidates are 0..3).
