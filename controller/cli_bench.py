@@ -119,12 +119,11 @@ class _LiveView:
         self.tty = sys.stdout.isatty()
         self.policy: Any = None
         self.num_policies = 0
-        self._last = 0.0
+        self._last = time.monotonic()
         self._drawn = 0
         self._tok = 0
         self._steps: dict[int, int] = {}
         self._bs = 0
-        self._t0 = time.monotonic()
         ends = []
         acc = 0.0
         for p in workload.phases:
@@ -144,7 +143,7 @@ class _LiveView:
         now = time.monotonic()
         if now - self._last < self.every_s:
             return
-        span = now - self._last if self._last else now - self._t0
+        span = now - self._last
         self._last = now
         phase = next((n for e, n in self._ends if t < e), self._ends[-1][1])
         total = sum(self._steps.values()) or 1
