@@ -2,14 +2,12 @@
 the oracle bounding every policy."""
 
 import copy
-import json
 import logging
 from dataclasses import replace
 
 import numpy as np
 import pytest
 
-from specctl.policies.baselines import build_baseline
 from specctl.training.simbench import AdaptivePolicy, make_policy
 from specctl.training.simulator import (
     SimFileError,
