@@ -23,11 +23,12 @@ def main():
     ap.add_argument("date")
     ap.add_argument("--call", default=None)
     ap.add_argument("--note", default=None)
+    ap.add_argument("--draft-name", default=None, help="what to record as the draft (default: the path used there)")
     a = ap.parse_args()
     for f in sorted(glob.glob(os.path.join(a.outdir, "bench-*.json"))):
         r = json.load(open(f))
         v = r["variant"]
-        res = {"gpu": r["gpu"], "sglang": r["sglang"], "model": r["model"], "variant": v, "draft": r["draft"],
+        res = {"gpu": r["gpu"], "sglang": r["sglang"], "model": r["model"], "variant": v, "draft": a.draft_name or r["draft"],
                "runs": [{k: x.get(k) for k in KEEP} for x in r["runs"]],
                "phase_runs": [{k: x.get(k) for k in ("policy", "output_tokens_per_s", "median_tpot_ms", "p99_tpot_ms",
                                                       "accept_length", "adaptive_switches")} for x in r["phase_runs"]],
