@@ -33,8 +33,9 @@ class ServiceSettings:
     heartbeat_s: float = 2.0
     half_life_s: float = 600.0  # step-time memory (hardware: slow to change)
     accept_half_life_s: float = 8.0  # acceptance memory (traffic: shifts within seconds)
-    # below this many (decayed) requests, acceptance is re-measured by exploring a chain
-    min_accept_samples: float = 64.0
+    # keep measuring acceptance on exploring steps where plain decode is chosen (see
+    # ControllerService._with_acceptance_probes)
+    acceptance_probes: bool = True
     warmup_steps: int = 2
     # configurations the engines have runtime states for; None = those seen in telemetry + off
     candidates: Optional[tuple[Config, ...]] = None
@@ -224,14 +225,17 @@ class ControllerService:
         self.evidence = self._evidence_problem(options)
         explore = self._explore_rows()
         current = PolicyTable.from_policy_obj(wire.to_obj(self.policy))
+        probe_base = current
         if self.evidence is None or (options and self.settings.mode == "online"
                                      and self.model.num_samples_ > 0):
             # with partial evidence (say, plain decode never measured yet) the configurations
             # that were measured compete where the base table uses one of them; elsewhere the
             # base table's choice stays
-            table = cmpolicy.derive(options, previous=current if self.policy.source == "online" else None,
-                                    margin=self.settings.margin, explore=explore,
-                                    explore_period=self.settings.explore_period, default=current)
+            probe_base = cmpolicy.derive(options, previous=current if self.policy.source == "online" else None,
+                                         margin=self.settings.margin, default=current)
+            explore = self._with_acceptance_probes(explore, probe_base, options)
+            table = PolicyTable(rows=probe_base.rows, explore=explore,
+                                explore_period=self.settings.explore_period if explore else 0)
             source = "online"
         elif self.policy.source == "online":
             # A learned table outlives a thin window (e.g. right after a restart): keep it
@@ -274,15 +278,42 @@ class ControllerService:
             else:
                 coverage[c] = [(lo, hi, 0.0) for lo, hi in regions(top)]
         rows = list(cmpolicy.explore_rows(coverage, self.settings.min_region_samples))
-        # Acceptance is only measured while speculating: when the table decodes plainly (and so
-        # measures none), re-measure it with the longest chain, whose per-position rates also
-        # give every shorter chain's tau.
-        chains = [c for c in self.candidates() if c[0] > 0 and c[1] == 1]
-        if chains and self.model.accept_weight_total() < self.settings.min_accept_samples:
-            probe = max(chains)
-            have = {(r.min_batch, r.config) for r in rows}
-            rows += [Row(lo, hi, probe) for lo, hi in regions(top) if (lo, probe) not in have]
         return tuple(sorted(rows, key=lambda r: (r.min_batch, r.config)))
+
+    def _with_acceptance_probes(self, rows: tuple[Row, ...], table: PolicyTable,
+                                options: list[cmpolicy.Option]) -> tuple[Row, ...]:
+        """Acceptance is only measured while speculating, and it follows the traffic. Where the
+        table decodes plainly, keep measuring it on exploring steps with the chain that would
+        take over first (the best predicted), unless no chain could beat plain decode there even
+        accepting every draft: then the outcome cannot change and the probe would only cost."""
+        if self.settings.explore_period <= 0 or not self.settings.acceptance_probes:
+            return rows
+        top = self.model.max_observed_batch()
+        by_config = {o.config: o for o in options}
+        off = by_config.get(OFF)
+        chains = [o for o in options if o.config[0] > 0 and o.config[1] == 1]
+        if top <= 0 or off is None:
+            return rows
+        if not chains:  # never measured: the longest candidate chain measures every position
+            cand = [c for c in self.candidates() if c[0] > 0 and c[1] == 1]
+            if not cand:
+                return rows
+            probes = [Row(lo, hi, max(cand)) for lo, hi in regions(top) if table.lookup(lo)[0] == 0]
+        else:
+            g_off = off.goodput()
+            probes = []
+            for lo, hi in regions(top):
+                b0 = min(hi, len(g_off)) - 1
+                if table.lookup(lo)[0] != 0 and table.lookup(b0 + 1)[0] != 0:
+                    continue  # speculating here already measures acceptance
+                useful = [o for o in chains
+                          if o.goodput()[b0] * (o.config[0] + 1) / o.tokens_per_step > g_off[b0]]
+                if useful:
+                    best = max(useful, key=lambda o: o.goodput()[b0])
+                    probes.append(Row(lo, hi, best.config))
+        have = {(r.min_batch, r.config) for r in rows}
+        out = list(rows) + [r for r in probes if (r.min_batch, r.config) not in have]
+        return tuple(sorted(out, key=lambda r: (r.min_batch, r.config)))
 
     def _model_summary(self, options: list[cmpolicy.Option], table: PolicyTable) -> dict[str, Any]:
         summary = self.model.summary(max_batch=max(1, self.model.max_observed_batch()))

@@ -21,7 +21,8 @@ Config = tuple[int, int, int]  # (steps, topk, draft_tokens)
 OFF: Config = (0, 1, 1)
 RING = 32  # recent step times kept per (config, batch size) for the robust median
 PRIOR_REQUESTS = 32.0  # pseudo-requests behind the trend prior of a deeper chain position
-MIN_SETTLED = 3  # steady-state values needed before post-switch ones are ignored
+MIN_SETTLED = 3
+ACCEPT_CAP_PER_S = 64.0  # requests one second of traffic may weigh in the acceptance estimate  # steady-state values needed before post-switch ones are ignored
 _REBASE_HALF_LIVES = 256.0  # renormalise decayed weights long before 2**(age/half_life) overflows
 
 
@@ -84,11 +85,41 @@ class _TimeCell:
 
 @dataclass
 class _AcceptCell:
-    """Acceptance of one configuration: decayed histogram of accepted drafts per request."""
+    """Acceptance of one configuration: decayed histogram of accepted drafts per request.
+
+    Requests are gathered per second of timestamps and each second counts for at most
+    ACCEPT_CAP_PER_S requests when folded in: recent seconds dominate even when they are sparse
+    (a chain probed on 1 step in 64 while plain decode runs) and older ones were dense.
+    """
 
     hist: list  # index a = accepted drafts (0..steps); a plain list: cheap scalar updates
     mean_sum: float = 0.0  # decayed sum of mean_accepted*requests from interval sources
     mean_weight: float = 0.0
+    pend: Optional[list] = None  # raw counts of the second being gathered
+    pend_second: Optional[int] = None
+    pend_wa: float = 0.0  # decay scale of that second
+
+    def fold(self) -> None:
+        p = self.pend
+        if p is None:
+            return
+        n = sum(p)
+        if n > 0:
+            f = self.pend_wa * min(1.0, ACCEPT_CAP_PER_S / n)
+            h = self.hist
+            for k, x in enumerate(p):
+                if x:
+                    h[k] += x * f
+        self.pend = None
+        self.pend_second = None
+
+    def current(self) -> list:
+        """The histogram with the second being gathered folded in (no mutation)."""
+        p = self.pend
+        if p is None or not sum(p):
+            return self.hist
+        f = self.pend_wa * min(1.0, ACCEPT_CAP_PER_S / sum(p))
+        return [h + x * f for h, x in zip(self.hist, p)]
 
 
 class CostModel:
@@ -154,6 +185,7 @@ class CostModel:
             cell.warm_weight *= f
         for acc in self.accept_.values():
             acc.hist = [x * fa for x in acc.hist]
+            acc.pend_wa *= fa
             acc.mean_sum *= fa
             acc.mean_weight *= fa
         self.t0_ = ts
@@ -174,12 +206,18 @@ class CostModel:
             if acc is None:
                 acc = self.accept_[c] = _AcceptCell(hist=[0.0] * (steps + 1))  # type: ignore[index]
             if s.accepted is not None:
-                h = acc.hist
+                second = int(s.ts)
+                if acc.pend_second != second:
+                    acc.fold()
+                    acc.pend = [0] * (steps + 1)
+                    acc.pend_second = second
+                    acc.pend_wa = wa
+                p = acc.pend
                 counts = s.accepted.count  # C-speed passes beat a per-request Python loop
                 for k in range(steps + 1):
                     n = counts(k)
                     if n:
-                        h[k] += n * wa
+                        p[k] += n  # type: ignore[index]
             elif s.mean_accepted is not None:
                 acc.mean_sum += wa * s.batch_size * s.mean_accepted
                 acc.mean_weight += wa * s.batch_size
@@ -268,7 +306,7 @@ class CostModel:
         accepted = np.zeros(steps)
         cells = [(k, a) for k, a in self.accept_.items() if (k[1] == 1 and topk == 1) or k == tuple(c)]
         for k, a in cells:
-            h = np.asarray(a.hist, dtype=float)
+            h = np.asarray(a.current(), dtype=float)
             s = len(h) - 1
             tail = np.cumsum(h[::-1])[::-1]  # tail[i] = requests with >= i accepted
             n = min(s, steps)
@@ -297,7 +335,7 @@ class CostModel:
         if c[0] == 0:
             return 1.0
         own = self.accept_.get(c)
-        if own is not None and sum(own.hist) <= 0 and own.mean_weight > 0:
+        if own is not None and sum(own.current()) <= 0 and own.mean_weight > 0:
             return 1.0 + own.mean_sum / own.mean_weight
         a = self.acceptance_by_position(c)
         if a is None:
@@ -305,7 +343,7 @@ class CostModel:
                 return 1.0 + own.mean_sum / own.mean_weight
             return None
         if c[1] != 1:  # trees: the accepted path length is measured directly
-            h = np.asarray(own.hist, dtype=float) if own is not None else None
+            h = np.asarray(own.current(), dtype=float) if own is not None else None
             if h is not None and h.sum() > 0:
                 return 1.0 + float((np.arange(len(h)) * h).sum() / h.sum())
         return 1.0 + float(np.cumprod(a).sum())
@@ -315,7 +353,7 @@ class CostModel:
         acc = self.accept_.get(tuple(c))  # type: ignore[arg-type]
         if acc is None:
             return 0.0
-        return float(sum(acc.hist) + acc.mean_weight) * self._now_factor(self.accept_half_life_s)
+        return float(sum(acc.current()) + acc.mean_weight) * self._now_factor(self.accept_half_life_s)
 
     def accept_weight_total(self, chains_only: bool = True) -> float:
         """Decayed requests behind the (pooled) chain acceptance estimate."""
@@ -368,7 +406,7 @@ class CostModel:
             "num_samples": self.num_samples_, "warmup_dropped": self.num_warmup_dropped_,
             "times": [[list(c), b, cell.weight, list(cell.recent), cell.warm_weight, list(cell.warm)]
                       for (c, b), cell in self.times_.items()],
-            "accept": [[list(c), list(a.hist), a.mean_sum, a.mean_weight] for c, a in self.accept_.items()],
+            "accept": [[list(c), list(a.current()), a.mean_sum, a.mean_weight] for c, a in self.accept_.items()],
         }
 
     def set_state(self, state: dict[str, Any]) -> "CostModel":

@@ -149,4 +149,35 @@ def test_explores_configs_lacking_data():
     clock.t += 1
     pol = svc.tick()
     assert pol.explore and pol.explore_period == 64
-    assert {r.config.key for r in pol.explore} == {(1, 1, 2)}  # s1 never measured
+    s1_rows = [r for r in pol.explore if r.config.key == (1, 1, 2)]  # s1 was never measured
+    assert [(r.min_batch, r.max_batch) for r in s1_rows] == [(1, 1), (2, 3), (4, 7), (8, 15), (16, 31), (32, 63)]
+    # acceptance probes (s3, the measured chain) only where the table decodes plainly
+    t = table(svc)
+    probes = [r for r in pol.explore if r.config.key == (3, 1, 4)]
+    assert probes and all(t.lookup(r.max_batch) == (0, 1, 1) for r in probes)
+
+
+def test_acceptance_is_probed_while_plain_decode_runs_and_tracks_a_shift():
+    clock = Clock()
+    svc = ControllerService(ServiceSettings(refit_interval_s=1), clock=clock)
+    easy = truth_with_crossover(24, accept=(0.9, 0.85, 0.8))
+    feed(svc, clock, easy, 8000, list(range(1, 48)))
+    clock.t += 1
+    svc.tick()
+    before = table(svc).spec_off_crossover()
+    # the traffic turns hard while the engine sits at batch 40 (plain decode), speculating only
+    # on the probing steps the policy asks for (1 in 64)
+    hard = truth_with_crossover(24, accept=(0.5, 0.4, 0.3))
+    steps = [r for r in generate(hard, num_steps=64 * 40 * 8, batch_sizes=[40], seed=3, t0=clock.t, dwell=1)
+             if r["config"]["steps"] == 0]
+    probes = iter(r for r in generate(hard, num_steps=64 * 40 * 8, batch_sizes=[40], seed=4, t0=clock.t, dwell=1)
+                  if r["config"]["steps"] == 3)
+    for i, r in enumerate(steps[: 64 * 40 * 2]):
+        r = next(probes) if i % 64 == 0 else r
+        r["ts"] = clock.t = clock.t + 0.01
+        svc.observe_frame(json.dumps(r).encode())
+        if i % 100 == 0:
+            svc.tick()
+    tau = svc.model.tokens_per_step((3, 1, 4))
+    assert tau == pytest.approx(1 + 0.5 + 0.2 + 0.06, abs=0.15)  # the hard traffic's, not the easy
+    assert table(svc).spec_off_crossover() < before
