@@ -180,7 +180,7 @@ class ControllerService:
 
     def candidates(self) -> list[Config]:
         if self.settings.candidates is not None:
-            return sorted(set(self.settings.candidates) | {OFF})
+            return sorted(set(self.settings.candidates))  # exactly the engines' runtime states
         seen = set(self.model.configs())
         return sorted(seen | {OFF})
 
@@ -208,7 +208,7 @@ class ControllerService:
         if self.model.num_samples_ == 0:
             return "no telemetry yet"
         have = {o.config for o in options}
-        if OFF not in have:
+        if OFF not in have and OFF in self.candidates():
             return "partial: no steps measured with speculation off"
         if not any(c[0] > 0 for c in have):
             return "partial: no steps measured with speculation on (with acceptance)"
