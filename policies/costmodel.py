@@ -80,7 +80,7 @@ def choose(options: Sequence[Option], previous: Optional[PolicyTable] = None,
             j = idx.get(prev)
             if j is not None and trust[j, b0] and g[j, b0] >= g[best[b0], b0] * (1.0 - margin):
                 out[b0] = prev
-    merged = _merge_islands([None if p else c for c, p in zip(out, pinned)], g, idx, margin)
+    merged = _merge_islands([None if p else c for c, p in zip(out, pinned)], gt, idx, margin)
     return [c if p else m for c, p, m in zip(out, pinned, merged)]  # type: ignore[misc]
 
 
@@ -88,7 +88,8 @@ def _merge_islands(choices: list[Config], g: np.ndarray, idx: dict[Config, int],
                    margin: float) -> list[Config]:
     """Absorb a run of batch sizes into a neighbouring run when the neighbour's configuration
     is within `margin` of the best over the whole run: near-ties between two configurations
-    (s2 vs s3, say) otherwise fragment the table into noise-driven slivers."""
+    (s2 vs s3, say) otherwise fragment the table into noise-driven slivers. `g` is -inf where a
+    configuration is untrusted: a run is never merged into one untrusted there."""
     out = list(choices)
     best = g.max(axis=0)
     # None marks pinned batch sizes (partial evidence): they are never merged into or from
@@ -109,7 +110,11 @@ def _merge_islands(choices: list[Config], g: np.ndarray, idx: dict[Config, int],
             cands = [runs[n][2] for n in (k - 1, k + 1) if 0 <= n < len(runs) and runs[n][2] is not None]
             scored = []
             for c in cands:
-                loss = 1.0 - float(np.min(g[idx[c], a:e] / best[a:e]))
+                bb = best[a:e]
+                known = np.isfinite(bb)  # -inf: nothing trusted there, any choice is a guess
+                ratio = np.where(known, g[idx[c], a:e] / np.where(known, bb, 1.0), 1.0)
+                ratio = np.where(np.isfinite(ratio), ratio, -1.0)  # c untrusted where others are
+                loss = 1.0 - float(np.min(ratio))
                 if loss <= margin:
                     scored.append((loss, c))
             if scored:

@@ -47,3 +47,16 @@ def test_explore_rows_cover_only_thin_regions():
     t = derive([opt(OFF, 1.0, 6, 0.02), opt(S3, 2.5, 7, 0.3)], explore=rows)
     assert t.explore_period == 64 and t.explore == rows
     assert isinstance(t, PolicyTable)
+
+
+def test_untrusted_extrapolation_never_wins_or_absorbs_a_run():
+    # s3 measured only at batch <= 4 extrapolates to look great at batch 100; off is measured
+    # everywhere. The default (current) table decodes plainly from 5: that must stay.
+    trusted_small = np.arange(1, 129) <= 8
+    s3 = Option(S3, 3.0, 7 + 0.001 * B, trusted_small)
+    off = Option(OFF, 1.0, 6 + 0.02 * B)
+    current = PolicyTable(rows=(Row(1, 4, S3), Row(5, None, OFF)))
+    choices = choose([off, s3], previous=current, default=current)
+    assert choices[0] == S3 and all(c == OFF for c in choices[8:])
+    # with no default at all the best extrapolation fills in (no crash, no None)
+    assert all(c in (OFF, S3) for c in choose([off, s3]))
