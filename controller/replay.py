@@ -47,7 +47,7 @@ def replay(path: str | Path, sock: zmq.Socket, *, speed: Optional[float] = None,
                 obj = json.loads(line)
                 if not isinstance(obj, dict):
                     raise ValueError("not a JSON object")
-            except ValueError as e:
+            except (ValueError, RecursionError) as e:  # RecursionError: nested too deeply
                 rep.skipped += 1
                 if len(rep.problems) < 10:
                     rep.problems.append(f"line {lineno}: {e}")

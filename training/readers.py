@@ -176,7 +176,7 @@ def _json_obj(text: str) -> Optional[dict]:
         return None
     try:
         obj = json.loads(t)
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: nesting deeper than the parser's stack
         return None
     return obj if isinstance(obj, dict) else None
 
@@ -745,7 +745,7 @@ def read_bench_serving(path: Path, report: FileReport, progress: Optional[Progre
             continue
         try:
             obj = json.loads(text)
-        except ValueError:
+        except (ValueError, RecursionError):  # RecursionError: nested too deeply to parse
             report.skip(lineno, "not JSON", text)
             continue
         if not isinstance(obj, dict) or not _is_bench(obj):
