@@ -214,10 +214,11 @@ def walk_tau(accepted, valid, plen, s):
     """Accept length as a serving engine sees it: chains start at plen-1 and then right after each accepted
     run + bonus token (i += min(accepted, s) + 1), not at every position. accepted/valid: [B, T] (CPU)."""
     tot, steps = 0, 0
-    for b in range(accepted.shape[0]):
-        i = int(plen[b]) - 1
-        while i < accepted.shape[1] and bool(valid[b, i]):
-            a = min(int(accepted[b, i]), s)
+    acc, val, pl = accepted.tolist(), valid.tolist(), plen.tolist()
+    for b in range(len(acc)):
+        i = int(pl[b]) - 1
+        while i < len(acc[b]) and val[b][i]:
+            a = min(int(acc[b][i]), s)
             tot += a + 1
             steps += 1
             i += a + 1
@@ -451,13 +452,15 @@ def main():
             tot["loss"] += loss.item()
             tot["n"] += 1
         draft.eval()
-        ev = evaluate(draft, B_val, hot)
-        em = evaluate(draft, B_mtb, hot)  # reported only; selection is on val
+        ev = evaluate(draft, B_val, hot, walk=True)
+        em = evaluate(draft, B_mtb, hot, walk=True)  # reported only; selection is on val
         hist.append({"epoch": ep + 1, "step": step, "loss": round(tot["loss"] / tot["n"], 4), "val_tau": ev["tau"],
-                     "mtbench_tau": em["tau"], "t": round(time.time() - t_train, 1)})
-        log(f"epoch {ep + 1}: loss {hist[-1]['loss']}, val tau {ev['tau']}, mtbench tau {em['tau']}, step acc {ev['step_accuracy']}")
-        if best is None or ev["tau"][3] > best[0]:
-            best = (ev["tau"][3], ep + 1, {k: v.detach().clone() for k, v in draft.state_dict().items()})
+                     "val_tau_walk": ev["tau_walk"], "mtbench_tau": em["tau"], "mtbench_tau_walk": em["tau_walk"],
+                     "t": round(time.time() - t_train, 1)})
+        log(f"epoch {ep + 1}: loss {hist[-1]['loss']}, val tau_walk {ev['tau_walk']}, mtbench tau_walk {em['tau_walk']}, "
+            f"step acc {ev['step_accuracy']}")
+        if best is None or ev["tau_walk"][3] > best[0]:  # the engine-like figure (matches SGLang's accept length)
+            best = (ev["tau_walk"][3], ep + 1, {k: v.detach().clone() for k, v in draft.state_dict().items()})
         if time.time() - t_train > a.train_s:
             break
     draft.load_state_dict(best[2])

@@ -150,3 +150,16 @@ def test_identity_report():
     assert r["static:s3"] == {"identical": 1, "of": 2, "first_divergence": {"b": 1}}
     assert r["x"]["first_divergence"] == {"a": 2}
     assert B.identity_report({"static:s1": {"a": [1]}}) == {"static:s1": None}
+
+
+def test_walk_tau_follows_engine_chain_starts():
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    import train_draft as T
+    acc = torch.tensor([[0, 0, 3, 1, 0, 2, 0, 0, 0, 0]])
+    valid = torch.ones(1, 10, dtype=torch.bool)
+    valid[0, 8:] = False
+    # starts 0 (a=0), 1 (a=0), 2 (a=3), 6 (a=0), 7 (a=0): (1+1+4+1+1)/5
+    assert T.walk_tau(acc, valid, torch.tensor([1]), 3) == pytest.approx(1.6)
+    # capped at s=1: starts 0,1,2(a=1),4,5(a=1),7 -> (1+1+2+1+2+1)/6
+    assert T.walk_tau(acc, valid, torch.tensor([1]), 1) == pytest.approx(8 / 6)
