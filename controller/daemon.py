@@ -18,6 +18,8 @@ from .service import ControllerService
 log = logging.getLogger("specctl.daemon")
 
 DRAIN_MAX = 4096  # frames taken per loop turn before status and publishing get a turn
+DRAIN_BUDGET_S = 0.005  # ... or this much time, whichever comes first: bounds status latency
+MAX_SHED_STRIDE = 64  # when behind, fit one frame in at most this many
 
 
 @dataclass(frozen=True)
@@ -72,6 +74,7 @@ class Daemon:
         # `specctl replay` waits), so nothing sent by replay is lost.
         self.shed_when_behind = shed_when_behind
         self.shedding = False
+        self.keep_every = 1  # when shedding: fit one frame in this many (adapts to the overload)
 
     def run(self, stop: Optional[threading.Event] = None) -> None:
         stop = stop or self.stop_event
@@ -96,22 +99,35 @@ class Daemon:
 
     def _drain(self) -> None:
         svc = self.service
+        recv = self.pull.recv
+        budget_end = time.perf_counter() + DRAIN_BUDGET_S
+        stride = self.keep_every if self.shedding else 1
         n = 0
-        shed = self.shedding
+        emptied = False
         while n < DRAIN_MAX:
             try:
-                frame = self.pull.recv(zmq.NOBLOCK, copy=True)
+                frame = recv(zmq.NOBLOCK, copy=True)
             except zmq.Again:
+                emptied = True
                 break
             n += 1
-            if shed and n % 2 == 0:
-                # behind: every other frame is counted and skipped, so the model keeps up with a
-                # uniform sample instead of lagging further behind the engines
+            if stride > 1 and n % stride:
+                # behind: frames are counted and skipped, so the model keeps up with a uniform
+                # sample instead of lagging further behind the engines (and queues stay short)
                 svc.metrics.shed.inc()
-                continue
-            svc.observe_frame(frame)
-        # a full turn means a backlog: shed next turn; an emptied queue ends shedding
-        self.shedding = self.shed_when_behind and n >= DRAIN_MAX
+            else:
+                svc.observe_frame(frame)
+            if not n & 63 and time.perf_counter() > budget_end:
+                break
+        if not self.shed_when_behind:
+            return
+        # a turn that ends with frames still queued means a backlog: skip more next turn;
+        # an emptied queue relaxes it again
+        if emptied:
+            self.keep_every = max(1, self.keep_every // 2)
+        else:
+            self.keep_every = min(MAX_SHED_STRIDE, self.keep_every * 2)
+        self.shedding = self.keep_every > 1
 
     def _answer(self) -> None:
         try:

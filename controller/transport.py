@@ -28,7 +28,9 @@ from typing import Any, Optional
 import zmq
 
 DEFAULT_TELEMETRY_HWM = 10_000
-DEFAULT_INGEST_HWM = 200_000
+# per connected engine (ZeroMQ queues per pipe): a daemon that falls behind holds at most
+# engines x (this + the engine's SNDHWM) frames, ~1 GB for 64 engines, then engines drop
+DEFAULT_INGEST_HWM = 20_000
 
 log = logging.getLogger("specctl.transport")
 
