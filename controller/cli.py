@@ -56,6 +56,24 @@ def _load_keys(secret_file: Optional[str], server_public_file: Optional[str],
                                allowed_clients=allowed)
 
 
+ENV_CURVE_SECRET = "SPECCTL_CURVE_SECRET_KEY"  # this client's certificate (NAME.key_secret)
+ENV_CURVE_SERVER = "SPECCTL_CURVE_SERVER_KEY"  # the daemon's public certificate (server.key)
+
+
+def _client_keys(env: dict[str, str]) -> Optional[transport.CurveKeys]:
+    """CURVE client keys for talking to a daemon started with --curve-secret-key: the same
+    SPECCTL_CURVE_* names the SGLang plugin reads."""
+    secret, server = env.get(ENV_CURVE_SECRET), env.get(ENV_CURVE_SERVER)
+    if not secret and not server:
+        return None
+    if not (secret and server):
+        raise click.UsageError(f"set both {ENV_CURVE_SECRET} and {ENV_CURVE_SERVER} (or neither)")
+    try:
+        return transport.load_client_keys(secret, server)
+    except (OSError, ValueError) as e:
+        raise click.UsageError(f"CURVE keys from {ENV_CURVE_SECRET}/{ENV_CURVE_SERVER}: {e}") from None
+
+
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--log-level", default="INFO", show_default=True,
               type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False))
@@ -198,7 +216,8 @@ def policy_show(as_json: bool, state_dir: Optional[str], endpoint: Optional[str]
         import zmq
 
         try:
-            obj = transport.status_request(zmq.Context.instance(), ep, {"cmd": "policy"})
+            obj = transport.status_request(zmq.Context.instance(), ep, {"cmd": "policy"},
+                                           keys=_client_keys(env))
             pol = wire.policy_from_obj(obj)
         except transport.TransportError as e:
             raise click.ClickException(str(e)) from None
@@ -228,8 +247,9 @@ def replay(file: str, endpoint: Optional[str], speed: Optional[float]) -> None:
     """Stream recorded telemetry (.jsonl / .jsonl.gz) into a running daemon."""
     from .replay import replay_to
 
-    ep = endpoint or _settings.default_endpoints(_env())["telemetry"]
-    rep = replay_to(file, ep, speed=speed)
+    env = _env()
+    ep = endpoint or _settings.default_endpoints(env)["telemetry"]
+    rep = replay_to(file, ep, speed=speed, keys=_client_keys(env))
     click.echo(f"sent {rep.sent} records to {ep}; skipped {rep.skipped} lines")
     for p in rep.problems:
         click.echo(f"  {p}", err=True)
@@ -259,24 +279,15 @@ def keys_generate(directory: str, name: str) -> None:
     click.echo(f"public: {pub}\nsecret: {sec}")
 
 
-def _register_optional() -> None:
-    """Sub-commands that live in their own modules."""
-    import importlib
+# Sub-commands that live in their own modules (each a thin layer over its package).
+from .cli_bench import bench, demo  # noqa: E402
+from .cli_reliability import reliability  # noqa: E402
+from .cli_sglang import sglang_args  # noqa: E402
+from .cli_train import train  # noqa: E402
 
-    for module, attr in (("cli_sglang", "sglang_args"), ("cli_train", "train"),
-                         ("cli_bench", "bench"), ("cli_bench", "demo")):
-        try:
-            mod = importlib.import_module(f"{__package__}.{module}")
-        except ModuleNotFoundError as e:
-            if e.name and e.name.endswith(module):
-                continue
-            raise
-        cmd = getattr(mod, attr, None)
-        if cmd is not None:
-            main.add_command(cmd)
-
-
-_register_optional()
+bench.add_command(reliability)
+for _cmd in (bench, demo, sglang_args, train):
+    main.add_command(_cmd)
 
 
 if __name__ == "__main__":
