@@ -1382,5 +1382,21 @@ def render_markdown(rec: dict[str, Any], command: str = "specctl bench reliabili
         "with no runtime state (refused, the engine stays on its fallback): "
         f"{fz.get('engine_policy', {}).get('refused_no_runtime_state', 0)} such policies refused.",
         "",
+        "## Security (tested in tests/reliability/test_security.py)",
+        "",
+        "- `specctl keys generate DIR --name server` (and `--name engine` per client) writes CURVE "
+        "certificates. `specctl serve --curve-secret-key DIR/server.key_secret --curve-allowed-dir "
+        "ALLOWED/` runs CURVE on every daemon socket (telemetry, policy, status) and a ZAP handler that "
+        "admits only the public certificates in ALLOWED/; refused keys are counted and logged.",
+        "- A tcp endpoint on a non-loopback interface is refused unless keys *and* an allow-list are given "
+        "(any holder of the public server key could otherwise feed the model), or `--insecure` explicitly.",
+        "- Engines and CLI clients (`policy show --endpoint`, `replay`) read `SPECCTL_CURVE_SECRET_KEY` "
+        "(their own `.key_secret`) and `SPECCTL_CURVE_SERVER_KEY` (the daemon's public `server.key`).",
+        "- ipc sockets are created in a directory that must be a real directory owned by the user; it is "
+        "made 0700 (a symlink or someone else's directory is refused).",
+        "- Tested with real sockets: a client without CURVE and a client with a valid but unlisted key pair "
+        "push nothing (the daemon sees no frame, not even a rejected one), receive no policy and get no "
+        "status answer; the listed engine key does all three.",
+        "",
     ]
     return "\n".join(out)

@@ -162,6 +162,17 @@ def test_serve_with_curve_keys_end_to_end(tmp_path, zctx, certs):
         assert st["records_in"] == tx.num_sent > 0
         tx.close()
         rx.close()
+        # the CLI's own clients read the plugin's SPECCTL_CURVE_* names
+        env = {**os.environ, "SPECCTL_CURVE_SECRET_KEY": str(certs["engine"]),
+               "SPECCTL_CURVE_SERVER_KEY": str(certs["server_public"])}
+        shown = subprocess.run(CLI + ["policy", "show", "--json", "--endpoint", eps["status"]],
+                               capture_output=True, text=True, timeout=60, env=env)
+        assert shown.returncode == 0, shown.stderr
+        assert wire.policy_from_obj(__import__("json").loads(shown.stdout)).version >= 1
+        env.pop("SPECCTL_CURVE_SERVER_KEY")
+        half = subprocess.run(CLI + ["policy", "show", "--endpoint", eps["status"]],
+                              capture_output=True, text=True, timeout=60, env=env)
+        assert half.returncode != 0 and "set both" in half.stderr
     finally:
         proc.kill()
         proc.wait(10)
