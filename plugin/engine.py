@@ -48,6 +48,9 @@ class PluginSettings:
     policy_file: Optional[str] = None
     sync_every: int = 16  # decode results between two TP broadcasts (one costs ~70 us on 2 CPU ranks)
     telemetry_hwm: int = 10_000
+    # CURVE client certificates for a daemon reachable over tcp (specctl keys generate)
+    curve_secret_key_file: Optional[str] = None  # this engine's NAME.key_secret
+    curve_server_key_file: Optional[str] = None  # the daemon's public server.key
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -62,13 +65,16 @@ class PluginSettings:
             raise ValueError(f"SPECCTL_STALE_AFTER_S must be > 0, got {self.stale_after_s}")
         if self.sync_every < 1:
             raise ValueError(f"SPECCTL_SYNC_EVERY must be >= 1, got {self.sync_every}")
+        if (self.curve_secret_key_file is None) != (self.curve_server_key_file is None):
+            raise ValueError("set both SPECCTL_CURVE_SECRET_KEY and SPECCTL_CURVE_SERVER_KEY (or neither)")
 
     @classmethod
     def from_env(cls, env: Mapping[str, str], *, default_rundir: Optional[str] = None) -> "PluginSettings":
         """`SPECCTL_MODE`, `SPECCTL_SERVER_ID`, `SPECCTL_RUNDIR` (ipc endpoints of `specctl serve`),
         `SPECCTL_TELEMETRY` / `SPECCTL_POLICY` (endpoints; override the rundir ones; `none` turns
         one off), `SPECCTL_FALLBACK_THRESHOLD`, `SPECCTL_FALLBACK_CONFIG` (`s3`, `off`, `3,1,4`),
-        `SPECCTL_STALE_AFTER_S`, `SPECCTL_POLICY_FILE`, `SPECCTL_SYNC_EVERY`."""
+        `SPECCTL_STALE_AFTER_S`, `SPECCTL_POLICY_FILE`, `SPECCTL_SYNC_EVERY`,
+        `SPECCTL_CURVE_SECRET_KEY` / `SPECCTL_CURVE_SERVER_KEY` (certificate files)."""
 
         def get(name: str) -> Optional[str]:
             v = env.get(ENV_PREFIX + name)
@@ -95,6 +101,8 @@ class PluginSettings:
                 kw["sync_every"] = int(get("SYNC_EVERY"))  # type: ignore[arg-type]
         except ValueError as e:
             raise ValueError(f"bad SPECCTL_* setting: {e}") from None
+        kw["curve_secret_key_file"] = get("CURVE_SECRET_KEY")
+        kw["curve_server_key_file"] = get("CURVE_SERVER_KEY")
         if get("POLICY_FILE"):
             kw["policy_file"] = get("POLICY_FILE")
             kw.setdefault("mode", "file")

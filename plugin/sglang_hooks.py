@@ -143,17 +143,20 @@ class PluginRuntime:
         if s.telemetry_endpoint is None and (s.policy_endpoint is None or s.mode != "online"):
             return
         try:
-            from ..controller.transport import PolicyReceiver, TelemetrySender
+            from ..controller.transport import PolicyReceiver, TelemetrySender, load_client_keys
 
             if self.zmq_context is None:
                 import zmq
 
                 self.zmq_context = zmq.Context.instance()
+            keys = (load_client_keys(s.curve_secret_key_file, s.curve_server_key_file)
+                    if s.curve_secret_key_file else None)
             if s.telemetry_endpoint is not None:
-                self.sender = TelemetrySender(self.zmq_context, s.telemetry_endpoint, hwm=s.telemetry_hwm)
+                self.sender = TelemetrySender(self.zmq_context, s.telemetry_endpoint, hwm=s.telemetry_hwm,
+                                              keys=keys)
                 self.telemetry_on = True
             if s.policy_endpoint is not None and s.mode == "online":
-                self.receiver = PolicyReceiver(self.zmq_context, s.policy_endpoint)
+                self.receiver = PolicyReceiver(self.zmq_context, s.policy_endpoint, keys=keys)
         except Exception as e:  # noqa: BLE001
             self.sender = self.receiver = None
             self.telemetry_on = False

@@ -203,3 +203,39 @@ def test_ipc_sockets_live_in_a_private_directory(zctx, tmp_path):
         os.chown(theirs, 65534, 65534)
         with pytest.raises(transport.TransportError, match="owned by uid 65534"):
             _daemon(zctx, {k: f"ipc://{theirs}/{k}.sock" for k in ("telemetry", "publish", "status")})
+
+
+def test_plugin_runtime_talks_curve_with_keys_from_its_settings(curve_daemon, certs):
+    """The SGLang-side transport (PluginRuntime) with SPECCTL_CURVE_* settings: telemetry is
+    admitted and the policy arrives; the same runtime without keys gets neither."""
+    from specctl.plugin.engine import PluginSettings
+    from specctl.plugin.sglang_hooks import PluginRuntime
+
+    d, eps = curve_daemon
+    env = {"SPECCTL_TELEMETRY": eps["telemetry"], "SPECCTL_POLICY": eps["publish"],
+           "SPECCTL_SERVER_ID": "curvy", "SPECCTL_CURVE_SECRET_KEY": str(certs["engine"]),
+           "SPECCTL_CURVE_SERVER_KEY": str(certs["server_public"])}
+    settings = PluginSettings.from_env(env)
+    assert settings.curve_secret_key_file == str(certs["engine"])
+
+    class OneRank:
+        rank_in_group, world_size = 0, 1
+
+    rt = PluginRuntime(settings, tp_group_fn=OneRank)
+    rt.new_engine([0, 1, 3])
+    assert rt.sender is not None and rt.receiver is not None
+    _push_for(rt.sender, "curvy", 1.5)
+    assert d.service.servers.get("curvy") is not None
+    assert rt.receiver.wait(3000) is not None
+    rt.close()
+
+    plain = PluginRuntime(PluginSettings.from_env({k: v for k, v in env.items() if "CURVE" not in k}
+                                                  | {"SPECCTL_SERVER_ID": "plain"}),
+                          tp_group_fn=OneRank)
+    plain.new_engine([0, 1, 3])
+    _push_for(plain.sender, "plain", 1.0)
+    assert "plain" not in d.service.servers
+    assert plain.receiver.wait(500) is None
+    plain.close()
+    with pytest.raises(ValueError, match="both"):
+        PluginSettings.from_env({"SPECCTL_CURVE_SECRET_KEY": str(certs["engine"])})
