@@ -31,8 +31,14 @@ def _parse_config(ctx: click.Context, param: click.Parameter, value: Optional[st
 def _parse_configs(ctx: click.Context, param: click.Parameter, value: Optional[str]):
     if not value:
         return None
+    import re
+
+    tokens = []
+    for tok in re.split(r"[;\s]+", value.strip()):
+        # 'off,s1,s3' lists names; '3,1,4' is one configuration written as numbers
+        tokens += tok.split(",") if re.search(r"[a-z]", tok, re.I) else [tok]
     try:
-        return tuple(wire.parse_config(v).key for v in value.split(";" if ";" in value else " ") if v)
+        return tuple(wire.parse_config(v).key for v in tokens if v)
     except ValueError as e:
         raise click.BadParameter(str(e)) from None
 
@@ -104,8 +110,8 @@ def main(log_level: str) -> None:
 @click.option("--config", "fixed_config", default="3,1,4", show_default=True, callback=_parse_config,
               help="Fixed mode and fallback: steps,topk,draft_tokens used below the threshold.")
 @click.option("--configs", callback=_parse_configs,
-              help="Configurations the engines have runtime states for, e.g. 'off s1 s2 s3' "
-                   "(default: those seen in telemetry). See `specctl sglang-args`.")
+              help="Configurations the engines have runtime states for, e.g. 'off,s1,s3' or "
+                   "'0,1,1 3,1,4' (default: those seen in telemetry). See `specctl sglang-args`.")
 @click.option("--explore-period", default=64, show_default=True, type=int,
               help="One exploring step in N where a configuration lacks data (0 = never; >= 50).")
 @click.option("--metrics-port", type=int, help="Serve Prometheus /metrics on this port.")

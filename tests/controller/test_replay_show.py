@@ -95,3 +95,15 @@ def test_serve_records_accepted_telemetry(serve, zctx, endpoints, tmp_path):
         lines += gzip.open(f, "rt").read().splitlines()
     assert len(lines) == len(recs)
     assert json.loads(lines[0])["iter"] == recs[0]["iter"]
+
+
+@pytest.mark.parametrize("value, expect", [
+    ("off,s1,s3", ((0, 1, 1), (1, 1, 2), (3, 1, 4))),  # as `specctl sglang-args --configs` takes it
+    ("off s1 s3", ((0, 1, 1), (1, 1, 2), (3, 1, 4))),
+    ("0,1,1 3,1,4", ((0, 1, 1), (3, 1, 4))),
+    ("3,1,4", ((3, 1, 4),)),
+])
+def test_serve_configs_option_forms(value, expect):
+    from specctl.controller.cli import _parse_configs
+
+    assert _parse_configs(None, None, value) == expect
