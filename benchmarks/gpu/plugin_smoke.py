@@ -246,11 +246,25 @@ def summarize_telemetry(frames: list) -> dict:
         ms = d["step_ms"]
         table[key] = {"n": d["n"], "step_ms_p10": _pct(ms, 0.1), "step_ms_p50": _pct(ms, 0.5),
                       "step_ms_p90": _pct(ms, 0.9), "step_ms_min": round(min(ms), 4), "step_ms_max": round(max(ms), 4)}
+    # the first step in a runtime state after a switch (and the very first decode step)
+    first_after_switch = [{"iter": b["iter"], "batch_size": b["batch_size"], "steps": b["config"]["steps"],
+                           "step_ms": round(b["step_ms"], 3)}
+                          for a, b in zip([None] + frames, frames) if a is None or a["config"] != b["config"]]
+    # launch cadence (ts of consecutive iters, same batch size and config) against the CUDA-event time
+    cad: dict = {}
+    for a, b in zip(frames, frames[1:]):
+        if b["iter"] == a["iter"] + 1 and a["batch_size"] == b["batch_size"] and a["config"] == b["config"]:
+            c = cad.setdefault(f"bs{b['batch_size']}/s{b['config']['steps']}", {"cadence_ms": [], "event_ms": []})
+            c["cadence_ms"].append((b["ts"] - a["ts"]) * 1000.0)
+            c["event_ms"].append(b["step_ms"])
+    cadence = {k: {"n": len(v["cadence_ms"]), "cadence_ms_p50": _pct(v["cadence_ms"], 0.5),
+                   "event_ms_p50": _pct(v["event_ms"], 0.5)} for k, v in sorted(cad.items())}
     iters = [fr["iter"] for fr in frames]
     gaps = sum(1 for a, b in zip(iters, iters[1:]) if b != a + 1)
     return {"frames": len(frames), "by_batch_and_steps": table, "config_matches_table": match,
             "config_mismatches": mismatch, "mismatches_explained_by_previous_batch": lag_explained,
             "mismatch_examples": mism_examples, "frames_with_accepted_per_req": accepted_ok,
+            "first_step_after_switch": first_after_switch, "cadence_vs_event": cadence,
             "iter_gaps": gaps, "servers": sorted({fr.get("server") for fr in frames}),
             "ranks": sorted({fr.get("rank") for fr in frames})}
 
@@ -291,7 +305,7 @@ def cmd_summary(outdir: str) -> dict:
         s["client"]["internal_states"] = json.dumps(ist)[:1500] if ist is not None else None
         # which steps did telemetry show inside each level's time window
         for row in c.get("levels") or []:
-            win = [fr for fr in frames if row["t_start"] - 0.5 <= fr["ts"] <= row["t_end"] + 0.5]
+            win = [fr for fr in frames if row["t_start"] <= fr["ts"] <= row["t_end"]]  # ts = launch time
             cnt: dict = {}
             for fr in win:
                 k = f"bs{fr['batch_size']}/s{fr['config']['steps']}"
