@@ -85,7 +85,7 @@ class Daemon:
         svc = self.service
         log.info("serving: telemetry %s, policy %s, status %s", self.endpoints.telemetry,
                  self.endpoints.publish, self.endpoints.status)
-        self._publish(svc.tick())
+        self._publish(safe_tick(svc))
         try:
             while not stop.is_set():
                 events = dict(poller.poll(50))
@@ -93,7 +93,7 @@ class Daemon:
                     self._drain()
                 if self.rep is not None and self.rep in events:
                     self._answer()
-                self._publish(svc.tick())
+                self._publish(safe_tick(svc))
         finally:
             self.close()
 
@@ -185,6 +185,29 @@ class Daemon:
     def num_clients_denied(self) -> int:
         """CURVE clients refused by the allow-list so far."""
         return self.auth.allow_list.num_denied if self.auth is not None else 0
+
+
+_TICK_ERRORS: set[str] = set()
+
+
+def safe_tick(service: ControllerService) -> Optional[wire.PolicyRecord]:
+    """service.tick(), but a refit that raises (a bug, or telemetry nobody foresaw) keeps the
+    current policy in force instead of ending the daemon; the engines keep their heartbeats."""
+    try:
+        return service.tick()
+    except Exception as e:  # noqa: BLE001 - the daemon must outlive one bad refit
+        service.num_tick_errors = getattr(service, "num_tick_errors", 0) + 1
+        msg = f"{type(e).__name__}: {e}"
+        if msg not in _TICK_ERRORS and len(_TICK_ERRORS) < 100:
+            _TICK_ERRORS.add(msg)
+            log.exception("refit failed; policy v%d stays in force", service.policy.version)
+        now = service.clock()
+        if now - service.last_publish >= service.settings.heartbeat_s:
+            # refits fail every interval from now on: the heartbeat must not depend on them
+            service.last_publish = now
+            service.metrics.published.labels("heartbeat").inc()
+            return service.policy
+        return None
 
 
 def serve_forever(daemon: Daemon) -> None:

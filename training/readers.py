@@ -304,11 +304,13 @@ def _arg(text: str, name: str) -> Optional[str]:
 
 
 def _int_arg(text: str, name: str) -> Optional[int]:
+    """A count (steps, topk, draft tokens, log interval): negative or absurd values count as absent."""
     v = _arg(text, name)
     try:
-        return None if v is None else int(v)
+        n = None if v is None else int(v)
     except ValueError:
         return None
+    return n if n is not None and 0 <= n <= 1_000_000 else None
 
 
 @dataclass
@@ -330,11 +332,13 @@ class ServerArgs:
             return None
         if self.steps == 0:
             return OFF
+        if self.steps > wire.MAX_STEPS or (self.topk or 1) > wire.MAX_TOPK:
+            return None  # not a configuration anyone runs: a damaged line
         topk = self.topk or 1
         draft = self.draft_tokens
         if draft is None or (topk == 1 and draft != self.steps + 1):
             draft = self.steps + 1 if topk == 1 else draft
-        return None if draft is None else (self.steps, topk, draft)
+        return None if draft is None or draft > wire.MAX_DRAFT_TOKENS else (self.steps, topk, draft)
 
 
 def parse_server_args(text: str) -> ServerArgs:
@@ -700,15 +704,15 @@ def _bench_config(info: dict) -> tuple[Optional[Config], Optional[str]]:
     steps = info.get("speculative_num_steps")
     topk = info.get("speculative_eagle_topk") or 1
     draft = info.get("speculative_num_draft_tokens")
-    if not isinstance(steps, int) or steps < 0:
+    if not isinstance(steps, int) or steps < 0 or steps > wire.MAX_STEPS:
         return None, "server_info has no speculative_num_steps"
     if steps == 0:
         return OFF, None
-    if not isinstance(topk, int) or topk < 1:
+    if not isinstance(topk, int) or topk < 1 or topk > wire.MAX_TOPK:
         return None, "bad speculative_eagle_topk"
     if topk == 1:
         draft = steps + 1
-    if not isinstance(draft, int) or draft < 2:
+    if not isinstance(draft, int) or draft < 2 or draft > wire.MAX_DRAFT_TOKENS:
         return None, "server_info has no speculative_num_draft_tokens"
     return (steps, topk, draft), None
 
@@ -787,7 +791,7 @@ def read_bench_serving(path: Path, report: FileReport, progress: Optional[Progre
                 continue
             tau = al
         tpot = _num(obj, "median_tpot_ms")
-        if tpot is None or tpot <= 0:
+        if tpot is None or tpot <= 0 or not math.isfinite(tpot * tau):
             report.note(f"line {lineno}: no median_tpot_ms: used for the measured-best choice only")
             continue
         batch = conc
