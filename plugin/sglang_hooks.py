@@ -375,7 +375,21 @@ def _sglang_tp_group() -> Any:
     with warnings.catch_warnings():
         # 0.5.22+ deprecate it for get_parallel().tp_group, which it returns; 0.5.17 has only this
         warnings.simplefilter("ignore", DeprecationWarning)
-        return get_tp_group()
+        try:
+            return get_tp_group()
+        except (AssertionError, RuntimeError):  # 0.5.17 asserts; 0.5.23 raises RuntimeError
+            import torch.distributed as dist
+
+            if dist.is_available() and dist.is_initialized():
+                raise  # other ranks exist but this one cannot name its group: fail safe
+            return _SingleProcess()  # no process group at all: there are no other ranks
+
+
+class _SingleProcess:
+    """The TP group of a process with no torch.distributed at all (one rank, nothing to sync)."""
+
+    rank_in_group = 0
+    world_size = 1
 
 
 def _default_timer() -> Any:
