@@ -43,25 +43,6 @@ def _parse_configs(ctx: click.Context, param: click.Parameter, value: Optional[s
         raise click.BadParameter(str(e)) from None
 
 
-def _load_keys(secret_file: Optional[str], server_public_file: Optional[str],
-               allowed_dir: Optional[str] = None) -> Optional[transport.CurveKeys]:
-    if not secret_file:
-        return None
-    import zmq.auth
-
-    public, secret = zmq.auth.load_certificate(secret_file)
-    if secret is None:
-        raise click.BadParameter(f"{secret_file} holds no secret key", param_hint="--curve-secret-key")
-    server_public = None
-    if server_public_file:
-        server_public, _ = zmq.auth.load_certificate(server_public_file)
-    allowed = None
-    if allowed_dir:
-        allowed = tuple(zmq.auth.load_certificates(allowed_dir).keys())
-    return transport.CurveKeys(public=public, secret=secret, server_public=server_public,
-                               allowed_clients=allowed)
-
-
 ENV_CURVE_SECRET = "SPECCTL_CURVE_SECRET_KEY"  # this client's certificate (NAME.key_secret)
 ENV_CURVE_SERVER = "SPECCTL_CURVE_SERVER_KEY"  # the daemon's public certificate (server.key)
 
@@ -163,7 +144,12 @@ def serve(telemetry, publish, status_ep, state_dir, refit_interval, heartbeat, h
         from .recorder import Recorder
 
         recorder = Recorder(record, max_bytes=record_max_mb * 1024 * 1024)
-    keys = _load_keys(curve_secret_key, None, curve_allowed_dir)
+    keys = None
+    if curve_secret_key:
+        try:
+            keys = transport.load_server_keys(curve_secret_key, curve_allowed_dir)
+        except (OSError, ValueError) as e:
+            raise click.UsageError(f"--curve-secret-key {curve_secret_key}: {e}") from None
     service = ControllerService(svc_settings, store=store, metrics=Metrics(), recorder=recorder,
                                 init_policy=init)
     for problem in store.problems:
