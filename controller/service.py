@@ -23,6 +23,9 @@ from .state import StateStore
 
 log = logging.getLogger("specctl.service")
 
+MAX_SEEN_CANDIDATES = 16  # configurations taken from telemetry when --configs is not given
+MAX_EXPLORE_ROWS = 256
+
 
 @dataclass(frozen=True)
 class ServiceSettings:
@@ -129,10 +132,7 @@ class ControllerService:
         try:
             rec = wire.decode_step(frame)
         except wire.WireError as e:
-            reason = e.reason
-            if reason == "bad_value" and b'"kind":"policy"' in frame[:40].replace(b" ", b""):
-                reason = "wrong_kind"
-            self.metrics.rejected.labels(reason).inc()
+            self.metrics.rejected.labels(e.reason).inc()
             return False
         if not self.observe(rec):
             return False
@@ -185,8 +185,11 @@ class ControllerService:
     def candidates(self) -> list[Config]:
         if self.settings.candidates is not None:
             return sorted(set(self.settings.candidates))  # exactly the engines' runtime states
-        seen = set(self.model.configs())
-        return sorted(seen | {OFF})
+        # seen in telemetry: an engine only reports configurations it has runtime states for;
+        # bounded, so a flood of distinct configurations cannot blow up tables or refits
+        seen = sorted(set(self.model.configs()) - {OFF},
+                      key=lambda c: -self.model.step_samples(c))[:MAX_SEEN_CANDIDATES]
+        return sorted(set(seen) | {OFF})
 
     def table_max_batch(self) -> int:
         return int(min(self.settings.max_batch, max(64, 2 * self.model.max_observed_batch())))
@@ -284,7 +287,7 @@ class ControllerService:
             else:
                 coverage[c] = [(lo, hi, 0.0) for lo, hi in regions(top)]
         rows = list(cmpolicy.explore_rows(coverage, self.settings.min_region_samples))
-        return tuple(sorted(rows, key=lambda r: (r.min_batch, r.config)))
+        return tuple(sorted(rows, key=lambda r: (r.min_batch, r.config))[:MAX_EXPLORE_ROWS])
 
     def _with_acceptance_probes(self, rows: tuple[Row, ...], table: PolicyTable,
                                 options: list[cmpolicy.Option]) -> tuple[Row, ...]:
@@ -328,7 +331,7 @@ class ControllerService:
                     probes.append(Row(lo, hi, best.config))
         have = {(r.min_batch, r.config) for r in rows}
         out = list(rows) + [r for r in probes if (r.min_batch, r.config) not in have]
-        return tuple(sorted(out, key=lambda r: (r.min_batch, r.config)))
+        return tuple(sorted(out, key=lambda r: (r.min_batch, r.config))[:MAX_EXPLORE_ROWS])
 
     def _model_summary(self, options: list[cmpolicy.Option], table: PolicyTable) -> dict[str, Any]:
         summary = self.model.summary(max_batch=max(1, self.model.max_observed_batch()))

@@ -227,7 +227,6 @@ def check_table_covers(table: list[TableEntry]) -> None:
 
 Record = Annotated[Union[StepRecord, PolicyRecord], Field(discriminator="kind")]
 _RECORD = TypeAdapter(Record)
-_STEP = TypeAdapter(StepRecord)
 _POLICY = TypeAdapter(PolicyRecord)
 
 
@@ -270,7 +269,11 @@ def decode(frame: bytes | str) -> StepRecord | PolicyRecord:
 
 
 def decode_step(frame: bytes | str) -> StepRecord:
-    return _validate(_STEP, frame)
+    """A telemetry frame: `kind` must be present and be "step"."""
+    rec = _validate(_RECORD, frame)
+    if not isinstance(rec, StepRecord):
+        raise WireError("wrong_kind", f"a {rec.kind!r} record where a step record was expected")
+    return rec
 
 
 def decode_policy(frame: bytes | str) -> PolicyRecord:

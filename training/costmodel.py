@@ -374,6 +374,11 @@ class CostModel:
             out.append((lo, hi, wsum * f))
         return out
 
+    def step_samples(self, c: Config) -> float:
+        """Decayed step-time samples of c (all batch sizes), as of the newest timestamp."""
+        w = sum(cell.weight + cell.warm_weight for (k, _), cell in self.times_.items() if k == tuple(c))
+        return w * self._now_factor()
+
     def measured_range(self, c: Config) -> tuple[int, int, int]:
         """(lowest, highest, number of) batch sizes with step-time data for c."""
         f = self._check().get(tuple(c))  # type: ignore[arg-type]

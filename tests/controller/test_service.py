@@ -198,3 +198,20 @@ def test_engines_without_plain_decode_never_get_it():
     svc.tick()
     assert set(table(svc).configs()) <= set(cands)
     assert all(r.config.key in cands for r in (svc.policy.explore or []))
+
+
+def test_a_flood_of_distinct_configurations_is_bounded():
+    clock = Clock()
+    svc = ControllerService(ServiceSettings(refit_interval_s=1), clock=clock)
+    for k in range(2, 40):
+        for n in range(3, 9):
+            for i in range(3):
+                clock.t += 0.01
+                rec = {"kind": "step", "schema": 1, "server": "s", "rank": 0, "iter": i, "ts": clock.t,
+                       "batch_size": 2, "config": {"steps": 2, "topk": k, "draft_tokens": n},
+                       "accepted": [1, 2], "step_ms": 5.0}
+                assert svc.observe_frame(json.dumps(rec).encode())
+    clock.t += 1
+    svc.tick()  # no exception: candidates and explore rows are capped
+    assert len(svc.candidates()) <= 17
+    assert len(svc.policy.explore or []) <= 256

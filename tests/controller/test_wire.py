@@ -113,3 +113,14 @@ def test_parse_config_rejects(text):
 def test_config_names():
     assert [wire.parse_config(t).name for t in ("off", "s1", "2,4,16")] == ["off", "s1", "s2k4n16"]
     assert math.isfinite(wire.decode(json.dumps(STEP).encode()).step_ms)
+
+
+def test_telemetry_decoder_requires_a_step_kind():
+    no_kind = json.loads(json.dumps(STEP))
+    no_kind.pop("kind")
+    with pytest.raises(wire.WireError) as ei:
+        wire.decode_step(json.dumps(no_kind).encode())
+    assert ei.value.reason == "bad_kind"
+    with pytest.raises(wire.WireError) as ei:
+        wire.decode_step(json.dumps(POLICY).encode())
+    assert ei.value.reason == "wrong_kind"

@@ -56,28 +56,22 @@ def test_deeply_nested_json_lines_are_skipped_not_raised(tmp_path):
         assert list(read_file(p, rep, fmt=fmt)) == []
 
 
-def test_valid_telemetry_that_breaks_a_refit_does_not_end_the_daemon():
-    """Found by the fuzzer: ~200 distinct (valid) tree configurations make the service
-    derive a policy with more explore rows than the wire allows, and refit raises. The daemon
-    loop contains it: the policy in force stays, heartbeats continue."""
-    import time
-
+def test_a_refit_that_raises_does_not_end_the_daemon():
+    """The fuzzer once found valid telemetry (~200 distinct tree configurations) that made refit
+    raise; the service now bounds its candidates (tests/controller/test_service.py), and the
+    daemon loop still contains any refit failure: the policy in force stays, heartbeats go on."""
     from specctl.controller.daemon import safe_tick
     from specctl.controller.service import ControllerService, ServiceSettings
 
     now = [1764441600.0]
     svc = ControllerService(ServiceSettings(heartbeat_s=1.0), clock=lambda: now[0])
     before = svc.policy
-    n = 0
-    for steps in range(1, 5):
-        for topk in range(2, 10):
-            for draft in range(steps + 1, steps + 7):
-                for b in (1, 16, 128):
-                    svc.observe_frame(reliability.wire.encode_step_fields(
-                        server="x", rank=0, iter=n, ts=now[0], batch_size=b, steps=steps, topk=topk,
-                        draft_tokens=draft, accepted=[0] * b, step_ms=5.0))
-                    n += 1
-    safe_tick(svc)  # the first tick publishes; the refit below is the one that fails
+    safe_tick(svc)  # the first tick publishes
+
+    def broken_refit():
+        raise ValueError("injected: a refit that cannot finish")
+
+    svc.model.refit = broken_refit
     now[0] += 10.0
     assert safe_tick(svc) is None or svc.policy == before
     now[0] += 1.5
