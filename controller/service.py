@@ -232,18 +232,16 @@ class ControllerService:
         self.evidence = self._evidence_problem(options)
         explore = self._explore_rows()
         current = PolicyTable.from_policy_obj(wire.to_obj(self.policy))
-        probe_base = current
-        if self.evidence is None or (options and self.settings.mode == "online"
-                                     and self.model.num_samples_ > 0):
+        if self.settings.mode == "online" and options:
             # with partial evidence (say, plain decode never measured yet) the configurations
-            # that were measured compete where the base table uses one of them; elsewhere the
-            # base table's choice stays
+            # that were measured compete where the current table uses one of them; elsewhere
+            # the current table's choice stays
             usable = set(self.candidates())
             base = current if all(c in usable for c in current.configs()) else None
-            probe_base = cmpolicy.derive(options, previous=current if self.policy.source == "online" else None,
-                                         margin=self.settings.margin, default=base)
-            explore = self._with_acceptance_probes(explore, probe_base, options)
-            table = PolicyTable(rows=probe_base.rows, explore=explore,
+            derived = cmpolicy.derive(options, previous=current if self.policy.source == "online" else None,
+                                      margin=self.settings.margin, default=base)
+            explore = self._with_acceptance_probes(explore, derived, options)
+            table = PolicyTable(rows=derived.rows, explore=explore,
                                 explore_period=self.settings.explore_period if explore else 0)
             source = "online"
         elif self.policy.source == "online":
