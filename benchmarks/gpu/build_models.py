@@ -24,6 +24,9 @@ import time
 import numpy as np
 import torch
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from prompts import chat_ids  # noqa: E402
+
 VARIANTS = {"1b": (16384, 36), "8b": (65536, 70), "5b": (49152, 60)}
 CHECK_PROMPTS = [
     "What is the capital of France?", "Write a Python function that reverses a string.",
@@ -198,17 +201,6 @@ def save_tokenizer(gguf_path, out_dirs, chat_template):
         json.dump({"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 2, "do_sample": False},
                   open(os.path.join(d, "generation_config.json"), "w"))
     return tok
-
-
-def chat_ids(tok, q):
-    e = tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True)
-    if hasattr(e, "keys") and "input_ids" in e:
-        e = e["input_ids"]
-    if torch.is_tensor(e):
-        e = e.tolist()
-    if e and isinstance(e[0], list):
-        e = e[0]
-    return list(e)
 
 
 @torch.no_grad()

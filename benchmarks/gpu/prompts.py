@@ -168,3 +168,16 @@ def self_instruct_seeds(n, seed=0):
         out.append({"id": f"seed-{i}", "class": cls,
                     "text": tpl.format(t=rng.choice(TOPICS), d=rng.choice(CODE_TASKS)[2])})
     return out
+
+
+def chat_ids(tok, text):
+    """Token ids of one user turn under the model's chat template, as a flat list (transformers
+    returns a list, a tensor, a nested list or a BatchEncoding depending on its version)."""
+    e = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True)
+    if hasattr(e, "keys") and "input_ids" in e:
+        e = e["input_ids"]
+    if hasattr(e, "tolist"):
+        e = e.tolist()
+    if e and isinstance(e[0], list):
+        e = e[0]
+    return list(e)

@@ -132,15 +132,7 @@ class Eagle3Draft(nn.Module):
         return out
 
 
-def chat_ids(tok, text):
-    e = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True)
-    if hasattr(e, "keys") and "input_ids" in e:
-        e = e["input_ids"]
-    if torch.is_tensor(e):
-        e = e.tolist()
-    if e and isinstance(e[0], list):
-        e = e[0]
-    return list(e)
+chat_ids = P.chat_ids  # eval_draft.py calls it through this module
 
 
 @torch.inference_mode()
