@@ -11,19 +11,6 @@ from specctl.controller import transport
 from specctl.controller.daemon import wait_for_status
 
 
-@pytest.fixture
-def zctx():
-    ctx = zmq.Context()
-    yield ctx
-    ctx.destroy(linger=0)
-
-
-@pytest.fixture
-def endpoints(tmp_path):
-    d = tmp_path / "run"
-    return transport.default_endpoints(transport.runtime_dir(d))
-
-
 class ServeProc:
     """`specctl serve` as a real subprocess."""
 

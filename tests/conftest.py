@@ -1,3 +1,5 @@
+"""Fixtures shared by the socket-level tests (controller/, reliability/)."""
+
 import pytest
 import zmq
 
@@ -13,4 +15,5 @@ def zctx():
 
 @pytest.fixture
 def endpoints(tmp_path):
+    """Default ipc endpoints inside a private runtime dir of this test."""
     return transport.default_endpoints(transport.runtime_dir(tmp_path / "run"))
