@@ -51,6 +51,9 @@ class PluginSettings:
     # CURVE client certificates for a daemon reachable over tcp (specctl keys generate)
     curve_secret_key_file: Optional[str] = None  # this engine's NAME.key_secret
     curve_server_key_file: Optional[str] = None  # the daemon's public server.key
+    # diagnostics: every decision of this rank, one line `step batch_size steps version` ("{rank}" in
+    # the path is replaced by the TP rank): how a TP run proves every rank chose the same
+    decision_log: Optional[str] = None
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -74,7 +77,8 @@ class PluginSettings:
         `SPECCTL_TELEMETRY` / `SPECCTL_POLICY` (endpoints; override the rundir ones; `none` turns
         one off), `SPECCTL_FALLBACK_THRESHOLD`, `SPECCTL_FALLBACK_CONFIG` (`s3`, `off`, `3,1,4`),
         `SPECCTL_STALE_AFTER_S`, `SPECCTL_POLICY_FILE`, `SPECCTL_SYNC_EVERY`,
-        `SPECCTL_CURVE_SECRET_KEY` / `SPECCTL_CURVE_SERVER_KEY` (certificate files)."""
+        `SPECCTL_CURVE_SECRET_KEY` / `SPECCTL_CURVE_SERVER_KEY` (certificate files),
+        `SPECCTL_DECISION_LOG` (a path, `{rank}` replaced: every decision of the rank, for audits)."""
 
         def get(name: str) -> Optional[str]:
             v = env.get(ENV_PREFIX + name)
@@ -103,6 +107,7 @@ class PluginSettings:
             raise ValueError(f"bad SPECCTL_* setting: {e}") from None
         kw["curve_secret_key_file"] = get("CURVE_SECRET_KEY")
         kw["curve_server_key_file"] = get("CURVE_SERVER_KEY")
+        kw["decision_log"] = get("DECISION_LOG")
         if get("POLICY_FILE"):
             kw["policy_file"] = get("POLICY_FILE")
             kw.setdefault("mode", "file")
@@ -165,6 +170,14 @@ class EngineController:
             + ',"rank":' + str(int(rank)) + ',"iter":'
         ).encode()
         self._config_frag: dict[int, bytes] = {}
+        self._trace: Any = None
+        if settings.decision_log:
+            path = settings.decision_log.replace("{rank}", str(int(rank)))
+            try:
+                self._trace = open(path, "a", buffering=1 << 16)
+                self._trace.write(f"# specctl decisions rank {int(rank)}: step batch_size steps version\n")
+            except OSError as e:
+                self._log_once("warning", f"no decision log ({e})")
 
         if settings.mode == "fixed":
             self.active_source = "fixed"
@@ -194,7 +207,25 @@ class EngineController:
         self.stats.num_decisions += 1
         sc = self.stats.steps_chosen
         sc[steps] = sc.get(steps, 0) + 1
+        if self._trace is not None:
+            self._write_trace(counter, batch_size, steps)
         return steps
+
+    def _write_trace(self, counter: int, batch_size: int, steps: int) -> None:
+        try:
+            v = self.active_version
+            self._trace.write(f"{counter} {batch_size} {steps} {'F' if v is None else v}\n")
+        except Exception as e:  # noqa: BLE001 - a diagnostic: never a reason to stop deciding
+            self._trace = None
+            self._log_once("warning", f"decision log off after an error: {type(e).__name__}: {e}")
+
+    def close_trace(self) -> None:
+        t, self._trace = self._trace, None
+        if t is not None:
+            try:
+                t.close()
+            except OSError:
+                pass
 
     # ------------------------------------------------------------------ policy intake (rank 0)
 
@@ -272,6 +303,12 @@ class EngineController:
         self.stats.num_syncs += 1
         if upd is not None:
             self.apply(upd)
+        if self._trace is not None:
+            try:
+                self._trace.flush()  # a killed server still leaves its decisions up to here
+            except Exception as e:  # noqa: BLE001
+                self._trace = None
+                self._log_once("warning", f"decision log off after an error: {type(e).__name__}: {e}")
         return upd
 
     def apply(self, update: PolicyUpdate) -> None:

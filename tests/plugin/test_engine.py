@@ -233,3 +233,34 @@ def test_without_a_tp_group_every_rank_runs_the_fixed_fallback():
     assert eng.failed and "no TP group" in eng.failed
     assert rt.receiver is None and rt.sync_on is False
     assert [eng.decide(b) for b in (1, 4, 5, 64)] == [3, 3, 0, 0]
+
+
+def test_decision_log_records_every_decision_per_rank(tmp_path):
+    """SPECCTL_DECISION_LOG: one line per decision (step, batch size, steps, version or F), per rank;
+    what the 2-GPU run compares between ranks."""
+    s = PluginSettings.from_env({"SPECCTL_DECISION_LOG": str(tmp_path / "d{rank}.txt"),
+                                 "SPECCTL_POLICY": "ipc:///x", "SPECCTL_SYNC_EVERY": "4"})
+    r0 = EngineController(s, candidate_steps=(0, 1, 3), clock=Clock(), rank=0)
+    r1 = EngineController(s, candidate_steps=(0, 1, 3), clock=Clock(), rank=1)
+    for i, bs in enumerate([1, 2, 8, 8, 1, 9, 2, 3]):
+        if i == 1:
+            r0.offer_policy_frame(policy_frame(5, [(1, 2, 1), (3, None, 0)]))
+        r0.decide(bs)
+        r1.decide(bs)
+        if r0.note_result() & r1.note_result():
+            upd = r0.take_pending()
+            r0.sync(lambda _: upd)
+            r1.sync(lambda _: upd)
+    r0.close_trace()
+    r1.close_trace()
+    lines = [(tmp_path / f"d{r}.txt").read_text().splitlines() for r in (0, 1)]
+    assert lines[0][0].startswith("# specctl decisions rank 0") and lines[1][0].startswith("# specctl decisions rank 1")
+    assert lines[0][1:] == lines[1][1:]
+    assert lines[0][1:] == ["0 1 3 F", "1 2 3 F", "2 8 0 F", "3 8 0 F", "4 1 1 5", "5 9 0 5", "6 2 1 5", "7 3 0 5"]
+
+
+def test_decision_log_that_cannot_be_opened_is_reported_not_fatal(tmp_path, caplog):
+    s = PluginSettings(decision_log=str(tmp_path / "missing-dir" / "d{rank}.txt"), mode="fixed")
+    eng = EngineController(s, candidate_steps=(0, 3))
+    assert [eng.decide(b) for b in (1, 5)] == [3, 0]
+    assert any("no decision log" in r.getMessage() for r in caplog.records)
