@@ -12,7 +12,9 @@ SGLANG_ADAPTIVE_MAX_STEPS = 7
 
 
 def parse_policy(pol):
-    """'off' | 'static:sN' | 'threshold:T:sN' | 'sglang-adaptive' | 'specctl' -> dict."""
+    """'off' | 'static:sN' | 'threshold:T:sN' | 'plugin-fixed:T:sN' | 'sglang-adaptive' | 'specctl' -> dict.
+    plugin-fixed:T:sN is threshold:T:sN decided by the specctl plugin in fixed mode (telemetry to a
+    daemon): the same server with and without the plugin, for the overhead figure."""
     if pol == "off":
         return {"kind": "off"}
     if pol in ("sglang-adaptive", "specctl"):
@@ -20,8 +22,8 @@ def parse_policy(pol):
     parts = pol.split(":")
     if parts[0] == "static" and len(parts) == 2 and parts[1].startswith("s"):
         return {"kind": "static", "steps": int(parts[1][1:])}
-    if parts[0] == "threshold" and len(parts) == 3 and parts[2].startswith("s"):
-        return {"kind": "threshold", "threshold": int(parts[1]), "steps": int(parts[2][1:])}
+    if parts[0] in ("threshold", "plugin-fixed") and len(parts) == 3 and parts[2].startswith("s"):
+        return {"kind": parts[0], "threshold": int(parts[1]), "steps": int(parts[2][1:])}
     raise ValueError(f"unknown policy {pol!r}")
 
 
@@ -37,10 +39,13 @@ def policy_launch_args(pol, draft, specctl_max_steps=3):
         return [], {}, None
     if p["kind"] == "static":
         return eagle_args(draft, p["steps"]), {}, None
-    if p["kind"] == "threshold":
+    if p["kind"] in ("threshold", "plugin-fixed"):
         # spec with N steps below the threshold, steps 0 (1-token verify) from it up; launch at N (largest candidate)
         cfg = {"1": {"candidate_steps": [p["steps"]]}, str(p["threshold"]): {"candidate_steps": [0]}}
-        return eagle_args(draft, p["steps"]) + ["--speculative-adaptive"], {}, cfg
+        env = {} if p["kind"] == "threshold" else {"SGLANG_PLUGINS": "specctl", "SPECCTL_MODE": "fixed",
+                                                    "SPECCTL_FALLBACK_THRESHOLD": str(p["threshold"]),
+                                                    "SPECCTL_FALLBACK_CONFIG": f"s{p['steps']}"}
+        return eagle_args(draft, p["steps"]) + ["--speculative-adaptive"], env, cfg
     if p["kind"] == "sglang-adaptive":
         return eagle_args(draft, SGLANG_ADAPTIVE_MAX_STEPS) + ["--speculative-adaptive"], {}, None
     if p["kind"] == "specctl":

@@ -5,12 +5,25 @@
 #   bash benchmarks/gpu/device_call.sh train [train args]    self-distil a draft -> /tmp/m/draft, weights back in $OUT (15 MiB parts)
 #   bash benchmarks/gpu/device_call.sh use-draft DIR         use a committed draft (e.g. benchmarks/gpu/draft/v2) as /tmp/m/draft
 #   bash benchmarks/gpu/device_call.sh bench [run_bench args]  SGLang runs (needs the site: PYTHONPATH=/tmp/site)
+#   bash benchmarks/gpu/device_call.sh sweep2 POLS0 POLS1 [run_bench args]   2 GPUs: one run_bench per GPU at
+#        once (POLS0 on GPU 0, POLS1 on GPU 1), each packed to $OUT/g<N>.tgz + $OUT/bench-g<N>.json
+#   bash benchmarks/gpu/device_call.sh checks      2 GPUs: specctl_e2e.py identity + overhead on GPU 0,
+#        online (daemon, off period, daemon kill) on GPU 1 -> $OUT/checks-g<N>.tgz + the JSONs
 set -uo pipefail
 export PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/out} TOKENIZERS_PARALLELISM=false
 S=/tmp/specctl-stash; M=/tmp/m; mkdir -p $OUT $M
 step=$1; shift
+need_site(){ [ -f /tmp/site/.checked ] || { echo "NEED the site (site.txz carried + stash step)"; exit 3; }; }
+draft_tok(){ for f in $M/base/tokenizer* $M/base/chat_template.jinja $M/base/special_tokens_map.json; do [ -f "$f" ] && cp "$f" $M/draft/; done; }
 case $step in
-  stash) bash benchmarks/gpu/install_bundle.sh $S /tmp/site > $OUT/install.log 2>&1; rc=$?; tail -4 $OUT/install.log; exit $rc ;;
+  stash) bash benchmarks/gpu/install_bundle.sh $S /tmp/site > $OUT/install.log 2>&1; rc=$?; tail -4 $OUT/install.log
+    # the daemon's own needs beyond the overlay: scikit-learn, scipy, numpy, prometheus-client come with the image
+    # (checked here); click travels as a wheel in bundle/extra when the image lacks it
+    if [ -f /tmp/site/.installed ] && ! PYTHONPATH=/tmp/site python3 -c "import click" 2>/dev/null; then
+      ls benchmarks/gpu/bundle/extra/*.whl >/dev/null 2>&1 && python3 -m pip install -q --no-index --no-deps --no-compile \
+        --target /tmp/site benchmarks/gpu/bundle/extra/*.whl && echo "installed bundle/extra wheels"; fi
+    python3 -c "import sklearn, scipy, numpy, prometheus_client; print('daemon deps: sklearn', sklearn.__version__, 'scipy', scipy.__version__)" 2>&1 | tail -1
+    exit $rc ;;
   models)
     [ -f $S/SmolLM2-135M-Instruct.Q4_1.gguf ] || { echo "NEED the GGUF (gguf.part00 + gguf.part01 over two warm calls)"; exit 3; }
     PYTHONPATH=$S/aux/gguf-0.19.0-py3-none-any.whl timeout ${MODELS_TIMEOUT:-240} python3 benchmarks/gpu/build_models.py \
@@ -28,8 +41,34 @@ case $step in
     else cp "$1"/model.safetensors $M/draft/; fi
     sha256sum $M/draft/model.safetensors ;;
   bench)
-    [ -f /tmp/site/.checked ] || { echo "NEED the site (site.txz carried + stash step)"; exit 3; }
-    for f in $M/base/tokenizer* $M/base/chat_template.jinja $M/base/special_tokens_map.json; do [ -f "$f" ] && cp "$f" $M/draft/; done
+    need_site; draft_tok
     PYTHONPATH=/tmp/site timeout ${BENCH_TIMEOUT:-560} python3 benchmarks/gpu/run_bench.py --draft $M/draft --out $OUT "$@" 2>&1 | tee -a $OUT/bench.log | grep -v "Decode batch" | tail -40 ;;
+  sweep2)
+    need_site; draft_tok; P0=$1; P1=$2; shift 2
+    for g in 0 1; do
+      pols=$P0; [ $g = 1 ] && pols=$P1
+      CUDA_VISIBLE_DEVICES=$g PYTHONPATH=/tmp/site timeout ${BENCH_TIMEOUT:-560} python3 benchmarks/gpu/run_bench.py --draft $M/draft \
+        --out $OUT/g$g --port0 $((31000 + 1000 * g)) --policies $pols "$@" > $OUT/g$g.log 2>&1 &
+    done
+    wait
+    for g in 0 1; do
+      grep -v "Decode batch" $OUT/g$g.log | grep -E "^\[|Error|error" | tail -30
+      cp $OUT/g$g/bench-*.json $OUT/bench-g$g.json 2>/dev/null; mv $OUT/g$g.log $OUT/g$g/run.log
+      tar czf $OUT/g$g.tgz -C $OUT g$g && rm -rf $OUT/g$g
+    done ;;
+  checks)
+    need_site; draft_tok
+    E="timeout ${CHECKS_TIMEOUT:-540} python3 benchmarks/gpu/specctl_e2e.py"
+    ( export CUDA_VISIBLE_DEVICES=0 PYTHONPATH=/tmp/site
+      $E identity --model $M/base --draft $M/draft --out $OUT/c0 --mem-fraction 0.12 --port 32000
+      $E overhead --model $M/8b --draft $M/draft --out $OUT/c0 --mem-fraction 0.35 --port 32100 ) > $OUT/c0.log 2>&1 &
+    ( export CUDA_VISIBLE_DEVICES=1 PYTHONPATH=/tmp/site
+      $E online --model $M/8b --draft $M/draft --out $OUT/c1 --mem-fraction 0.5 --port 33000 ) > $OUT/c1.log 2>&1 &
+    wait
+    for g in 0 1; do
+      grep -v "Decode batch" $OUT/c$g.log | grep -E "^\[|Error|error" | tail -30
+      for f in identity overhead online; do [ -f $OUT/c$g/$f.json ] && cp $OUT/c$g/$f.json $OUT/; done
+      mv $OUT/c$g.log $OUT/c$g/run.log; tar czf $OUT/checks-g$g.tgz -C $OUT c$g && rm -rf $OUT/c$g
+    done ;;
   *) echo "unknown step $step"; exit 2 ;;
 esac

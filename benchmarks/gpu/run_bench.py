@@ -20,9 +20,13 @@ batch size T, steps 0 from T up; SGLang pads a batch to a CUDA-graph size before
 speculation 0.5.17 captures every size 1..8, then 10..32 by 2, 40..64 by 4, 72..256 by 8, so T <= 8 is
 exact and a larger T should be one of those sizes) | sglang-adaptive (built-in EMA
 policy, default config, launched at its largest candidate 7: the 0.5.17 logits-buffer bug) | specctl
-(plugin + daemon: --specctl-serve-cmd starts `specctl serve`, SGLANG_PLUGINS=specctl; launched with an
-adaptive config whose candidates are 0..3).
-Writes OUT/bench-<variant>.json (the results format of issue 5), OUT/profile-<variant>.json, OUT/<policy>.log.
+(plugin in online mode + `specctl serve` started here with a fresh state dir, SGLANG_PLUGINS=specctl;
+launched with an adaptive config whose candidates are 0..3; an unmeasured learning pass over
+--specctl-learn levels first) | plugin-fixed:T:sN (threshold:T:sN decided by the plugin in fixed mode,
+telemetry to a daemon: the same server with and without the plugin).
+specctl is installed as a PYTHONPATH folder (specctl_side.make_site), no wheel needed.
+Writes OUT/bench-<variant>.json (the results format of issue 5), OUT/profile-<variant>.json, OUT/<policy>.log,
+and per plugin policy OUT/specctl-<policy>/ (daemon log, every policy version, decision log, telemetry).
 """
 import argparse
 import asyncio
@@ -38,7 +42,8 @@ import urllib.request
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import prompts as P  # noqa: E402
-from benchlib import identity_report, parse_decode_lines, policy_launch_args, profile_from_runs, summarize_requests  # noqa: E402
+from benchlib import identity_report, parse_decode_lines, parse_policy, policy_launch_args, profile_from_runs, summarize_requests  # noqa: E402
+import specctl_side as SC  # noqa: E402
 
 PHASES = [  # duration_s, concurrency, mix
     {"duration_s": 20, "concurrency": 2, "mix": {"code": 1.0}},
@@ -149,6 +154,31 @@ async def phase_loop(port, pools, phases, new, seed=0):
         return out, time.time() - t_start
 
 
+def finish_plugin_run(sv, srv, out):
+    """Stop the daemon; keep every policy version, audit the decision log against them, count SGLang's
+    own switch lines; pack the telemetry recording."""
+    d = sv["side"]
+    try:
+        d.stop()
+        sdir = os.path.dirname(d.log_path)
+        d.save(os.path.join(sdir, "policies.json"))
+        from specctl.policies.fixed import fixed_threshold
+        from specctl.policies.table import chain
+        p = parse_policy(sv["policy"])
+        fb = fixed_threshold(p.get("threshold", 5), chain(p.get("steps", 3)))
+        dec = SC.read_decisions(os.path.join(sdir, "decisions-rank0.txt"))
+        aud = SC.audit_decisions(dec, {v: x["policy"] for v, x in d.policies.items()}, fallback=fb)
+        aud["sglang_switch_lines"] = SC.count_switch_lines(open(sv["log"]).read())
+        aud["policy_versions_seen"] = len(d.policies)
+        srv["specctl"] = aud
+        log(f"{sv['policy']}: {aud['checked']}/{aud['decisions']} decisions audited, match {aud['match_frac']}, "
+            f"{aud['step_changes']} step changes vs {aud['sglang_switch_lines']} SGLang switch lines, "
+            f"{aud['policy_versions_seen']} policy versions")
+    except Exception as e:  # noqa: BLE001 - the benchmark row stays; say what failed
+        srv["specctl_error"] = repr(e)[:300]
+        log("specctl finish failed:", repr(e)[:300])
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True)
@@ -168,7 +198,10 @@ def main():
     ap.add_argument("--mem-fraction", type=float, default=0.0, help="per server; 0 = 0.8/parallel")
     ap.add_argument("--deadline-s", type=float, default=540)
     ap.add_argument("--prompts", default="/tmp/specctl-stash/aux/prompts")
-    ap.add_argument("--specctl-serve-cmd", default=None)
+    ap.add_argument("--specctl-learn", default="1,2,4,8,16,32,64,128",
+                    help="specctl: unmeasured closed-loop levels before the measurement (the daemon learns)")
+    ap.add_argument("--specctl-site", default="/tmp/specctl_site")
+    ap.add_argument("--prefill-graph", action="store_true", help="keep SGLang's prefill CUDA graphs (slow start)")
     ap.add_argument("--port0", type=int, default=31000)
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
@@ -195,6 +228,10 @@ def main():
               "--mm-feature-transport", "cpu", "--decode-log-interval", "10", "--max-running-requests", str(maxc),
               "--cuda-graph-max-bs-decode", str(maxc), "--mem-fraction-static", str(memf),
               "--chunked-prefill-size", "8192", "--sleep-on-idle", "--host", "127.0.0.1"]
+    if not a.prefill_graph:
+        common.append("--disable-prefill-cuda-graph")  # ~50 s less start-up per server; decode graphs stay
+    plugin_pols = [p for p in policies if parse_policy(p)["kind"] in ("specctl", "plugin-fixed")]
+    site = SC.make_site(a.specctl_site) if plugin_pols else None
     result = {"gpu": None, "sglang": "0.5.17", "model": "SmolLM2-135M-Instruct" + ("" if a.variant == "base" else f" zero-padded ({a.variant})"),
               "variant": a.variant, "draft": a.draft, "new_tokens": a.new_tokens, "prompts": "MT-Bench turn 1 + HumanEval (chat)",
               "runs": [], "phase_runs": [], "servers": {}, "identity": {}}
@@ -215,11 +252,20 @@ def main():
             args += ["--speculative-adaptive-config", cp]
         env = dict(os.environ, **env_extra)
         side = None
-        if pol == "specctl":
-            if not a.specctl_serve_cmd:
-                raise SystemExit("policy specctl needs --specctl-serve-cmd (the daemon); plugin via SGLANG_PLUGINS=specctl")
-            side = subprocess.Popen(a.specctl_serve_cmd, shell=True, stdout=open(os.path.join(a.out, "specctl-serve.log"), "w"),
-                                    stderr=subprocess.STDOUT)
+        if pol in plugin_pols:
+            tag = pol.replace(":", "_")
+            sdir = os.path.join(a.out, f"specctl-{tag}")
+            os.makedirs(sdir, exist_ok=True)
+            rundir = f"/tmp/specctl-run-{port}"
+            side = SC.Daemon(rundir=rundir, state_dir=f"/tmp/specctl-state-{port}", site=site,
+                             log_path=os.path.join(sdir, "serve.log"), record_dir=os.path.join(sdir, "telemetry"),
+                             extra=() if pol == "specctl" else ("--mode", "fixed"))
+            side.start()
+            mode = "online" if pol == "specctl" else "fixed"
+            env.update(SC.plugin_env(mode=mode, rundir=rundir, server_id=f"{a.variant}-{tag}",
+                                     decision_log=os.path.join(sdir, "decisions-rank{rank}.txt")))
+            env.update(env_extra)  # plugin-fixed: its threshold and config
+            env = SC.with_pythonpath(env, site)
         lp = os.path.join(a.out, f"{a.variant}-{pol.replace(':', '_')}.log")
         cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", a.model, "--port", str(port)] + common + args
         p = subprocess.Popen(cmd, stdout=open(lp, "w"), stderr=subprocess.STDOUT, env=env)
@@ -254,11 +300,21 @@ def main():
         if not ok:
             log("NOT READY", pol, open(sv["log"]).read()[-2000:])
             kill_tree(sv["proc"])
+            if sv.get("side"):
+                finish_plugin_run(sv, srv, a.out)
             continue
         log("ready", pol, srv["ready_s"], "s")
         try:
             # warm-up, then identity probe
             asyncio.run(closed_loop(sv["port"], mixed[:8], 8, 8, 16))
+            if pol == "specctl" and a.specctl_learn:
+                t_learn = time.time()
+                for c in (int(x) for x in a.specctl_learn.split(",") if x):
+                    if time.time() > deadline - 60:
+                        break
+                    asyncio.run(closed_loop(sv["port"], mixed[len(mixed) // 2:], c, max(2 * c, 8), a.new_tokens))
+                srv["learn_s"] = round(time.time() - t_learn, 1)
+                log(f"specctl learned for {srv['learn_s']} s; policy:", json.dumps(sv["side"].status()["policy"]["table"])[:600])
             outs, _ = asyncio.run(closed_loop(sv["port"], mixed[:16], 16, 16, 64, stream=False))
             result["identity"][pol] = {o.get("pid"): o.get("ids") for o in outs}
             if a.accept_eval and pol != "off":
@@ -298,7 +354,7 @@ def main():
         finally:
             kill_tree(sv["proc"])
             if sv.get("side"):
-                kill_tree(sv["side"])
+                finish_plugin_run(sv, srv, a.out)
             time.sleep(2)
     result["identity"] = identity_report(result["identity"])
     prof = profile_from_runs(result["runs"], f"h200-smollm2-135m-{a.variant}")

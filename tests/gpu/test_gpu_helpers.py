@@ -72,6 +72,11 @@ def test_policies():
     assert args[args.index("--speculative-num-steps") + 1] == "3"  # launch at the largest candidate (0.5.17 bug)
     args, env, cfg = B.policy_launch_args("sglang-adaptive", "/d")
     assert args[args.index("--speculative-num-steps") + 1] == "7" and cfg is None
+    args, env, cfg = B.policy_launch_args("plugin-fixed:5:s3", "/d")  # the same server as threshold:5:s3, plus the plugin
+    assert cfg == {"1": {"candidate_steps": [3]}, "5": {"candidate_steps": [0]}}
+    assert args == B.policy_launch_args("threshold:5:s3", "/d")[0]
+    assert env == {"SGLANG_PLUGINS": "specctl", "SPECCTL_MODE": "fixed", "SPECCTL_FALLBACK_THRESHOLD": "5",
+                   "SPECCTL_FALLBACK_CONFIG": "s3"}
     args, env, cfg = B.policy_launch_args("specctl", "/d")
     assert env == {"SGLANG_PLUGINS": "specctl"} and cfg["1"]["candidate_steps"] == [0, 1, 2, 3]
     with pytest.raises(ValueError):

@@ -1,0 +1,450 @@
+"""specctl end to end inside a real SGLang 0.5.17 server on the GPU machine: the checks of issue 4.
+
+    specctl_e2e.py online   --model /tmp/m/8b --draft /tmp/m/draft --out DIR
+        plugin (online) + `specctl serve`, one server; stages on one timeline:
+          learn     closed loop at c = 1, 4, 16, 64 (the daemon sees every region)
+          before    12 MT-Bench prompts one at a time (c=1): accept length and output ids per prompt
+          off       c=64 for --off-s seconds (the table says plain decode there)
+          after     the same 12 prompts at c=1: accept length back to `before`? ids identical?
+          kill      c=4 closed loop; SIGKILL the daemon after 5 s, restart it (same state dir) 15 s later:
+                    no request fails, the plugin falls back after SPECCTL_STALE_AFTER_S and takes the
+                    restored policy version back
+        audits every decision of the plugin (SPECCTL_DECISION_LOG) against the daemon's published tables,
+        counts SGLang's own `Switch adaptive runtime state` lines, telemetry per stage -> DIR/online.json
+    specctl_e2e.py identity --model /tmp/m/base --draft /tmp/m/draft --out DIR [--dtypes float32,bfloat16]
+        per dtype two servers: `off` and specctl (file mode: bs 1-2 -> s3, 3-8 -> s1, 9+ -> off); 32 prompts
+        sent at once with max_new_tokens 24..272, so the batch shrinks through every row of the table while
+        requests decode; greedy output ids compared prompt by prompt -> DIR/identity.json
+    specctl_e2e.py overhead --model /tmp/m/8b --draft /tmp/m/draft --out DIR
+        threshold:5:s3 without and with the plugin (fixed mode, telemetry to a live daemon), both servers on
+        the same GPU, measured alternately (A B A B ...) at each level -> DIR/overhead.json
+
+Runs THERE with PYTHONPATH=/tmp/site (device_call.sh e2e); stdlib + aiohttp + the specctl site.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import re
+import signal
+import statistics as st
+import subprocess
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import prompts as P  # noqa: E402
+import run_bench as RB  # noqa: E402
+import specctl_side as SC  # noqa: E402
+from benchlib import eagle_args, summarize_requests  # noqa: E402
+
+T0 = time.time()
+FILE_TABLE = [(1, 2, 3), (3, 8, 1), (9, None, 0)]  # identity: every candidate used while the batch shrinks
+
+
+def log(*a):
+    print(f"[{time.time() - T0:6.1f}s]", *a, flush=True)
+
+
+def common_args(maxc, memf):
+    return ["--attention-backend", "triton", "--sampling-backend", "pytorch", "--grammar-backend", "none",
+            "--mm-feature-transport", "cpu", "--decode-log-interval", "10", "--max-running-requests", str(maxc),
+            "--cuda-graph-max-bs-decode", str(maxc), "--mem-fraction-static", str(memf), "--chunked-prefill-size",
+            "8192", "--sleep-on-idle", "--host", "127.0.0.1", "--disable-prefill-cuda-graph"]
+
+
+def launch(model, port, args, env, logpath):
+    cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", model, "--port", str(port)] + args
+    p = subprocess.Popen(cmd, stdout=open(logpath, "w"), stderr=subprocess.STDOUT, env=env)
+    return {"port": port, "proc": p, "log": logpath, "t": time.time(), "cmd": " ".join(cmd[1:])}
+
+
+def wait_ready(sv, limit):
+    while time.time() - sv["t"] < limit:
+        if sv["proc"].poll() is not None:
+            return False
+        try:
+            if RB.http(sv["port"], "/health", t=2)[0] == 200:
+                return True
+        except Exception:  # noqa: BLE001
+            pass
+        time.sleep(1)
+    return False
+
+
+def load_prompts(model, prompts_dir):
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(model)
+    mtb = P.load_mtbench(os.path.join(prompts_dir, "mtbench_question.jsonl"))
+    he = P.load_humaneval(os.path.join(prompts_dir, "HumanEval.jsonl.gz"))
+    for x in mtb + he:
+        x["ids"] = P.chat_ids(tok, x["text"])
+    return mtb, he
+
+
+async def timed_loop(port, items, conc, duration_s, new, offset=0):
+    """c closed-loop streaming clients for duration_s (requests started before the end finish)."""
+    import aiohttp
+    out, nxt = [], [offset]
+    t_end = time.time() + duration_s
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=900)) as s:
+        async def worker():
+            while time.time() < t_end:
+                x = items[nxt[0] % len(items)]
+                nxt[0] += 1
+                await RB.one_request(s, port, x["ids"], new, out, True, x.get("id"))
+        t = time.time()
+        await asyncio.gather(*[worker() for _ in range(conc)])
+        return out, time.time() - t
+
+
+async def one_by_one(port, items, new):
+    """Each prompt alone (c=1), non-streaming: output ids and accept length per prompt."""
+    import aiohttp
+    out = []
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=900)) as s:
+        for x in items:
+            await RB.one_request(s, port, x["ids"], new, out, False, x.get("id"))
+    return out
+
+
+def per_prompt(outs):
+    return {o.get("pid"): {"ids": o.get("ids"), "accept": (o["tokens"] / o["verify_ct"]) if o.get("verify_ct") else None}
+            for o in outs if "error" not in o}
+
+
+def grep(path, pat, n=8):
+    rx = re.compile(pat)
+    try:
+        lines = [ln.rstrip()[-300:] for ln in open(path, errors="replace") if rx.search(ln)]
+    except OSError:
+        return {"count": 0, "lines": []}
+    return {"count": len(lines), "lines": lines[:n] + (lines[-2:] if len(lines) > n else [])}
+
+
+def telemetry_by_window(tel_dir, windows):
+    """Recorded step frames (the daemon's --record) grouped by stage window: steps histogram, batch sizes."""
+    import gzip
+    frames = []
+    for root, _, files in os.walk(tel_dir):
+        for fn in files:
+            if not fn.endswith((".jsonl", ".jsonl.gz")):
+                continue
+            op = gzip.open if fn.endswith(".gz") else open
+            try:
+                with op(os.path.join(root, fn), "rt") as f:
+                    for ln in f:
+                        try:
+                            frames.append(json.loads(ln))
+                        except ValueError:
+                            pass
+            except (OSError, EOFError):
+                pass  # a file cut by a SIGKILL: what was flushed was read
+    res = {}
+    for name, (t0, t1) in windows.items():
+        fr = [x for x in frames if x.get("kind") == "step" and t0 <= x.get("ts", 0) < t1]
+        steps, bs = {}, []
+        for x in fr:
+            s = x["config"]["steps"]
+            steps[s] = steps.get(s, 0) + 1
+            bs.append(x["batch_size"])
+        res[name] = {"frames": len(fr), "steps": dict(sorted(steps.items())),
+                     "batch_size_med": st.median(bs) if bs else None}
+    return {"frames_total": len(frames), "windows": res}
+
+
+# ---------------------------------------------------------------- online
+
+def cmd_online(a):
+    os.makedirs(a.out, exist_ok=True)
+    site = SC.make_site(a.site)
+    mtb, he = load_prompts(a.model, a.prompts)
+    mixed = [x for pair in zip(mtb, he) for x in pair]
+    rundir, state = "/tmp/specctl-e2e-run", "/tmp/specctl-e2e-state"
+    d = SC.Daemon(rundir=rundir, state_dir=state, site=site, log_path=os.path.join(a.out, "serve.log"),
+                  record_dir=os.path.join(a.out, "telemetry"))
+    d.start()
+    env = SC.with_pythonpath(dict(os.environ, **SC.plugin_env(
+        mode="online", rundir=rundir, server_id="e2e-8b", stale_after_s=a.stale_s,
+        decision_log=os.path.join(a.out, "decisions-rank{rank}.txt"))), site)
+    cfg = os.path.join(a.out, "adaptive.json")
+    json.dump({"1": {"candidate_steps": [0, 1, 2, 3]}}, open(cfg, "w"))
+    args = common_args(64, a.mem_fraction) + eagle_args(a.draft, 3) + [
+        "--speculative-adaptive", "--speculative-adaptive-config", cfg]
+    sv = launch(a.model, a.port, args, env, os.path.join(a.out, "server.log"))
+    res = {"model": a.model, "draft": a.draft, "stale_after_s": a.stale_s, "stages": {}, "windows": {}}
+    try:
+        ok = wait_ready(sv, a.ready_s)
+        res["ready"], res["ready_s"] = ok, round(time.time() - sv["t"], 1)
+        log("server ready" if ok else "server NOT ready", res["ready_s"], "s")
+        if not ok:
+            res["server_tail"] = open(sv["log"], errors="replace").read()[-3000:]
+            return res
+        asyncio.run(RB.closed_loop(a.port, mixed[:8], 8, 8, 16))
+        port = a.port
+
+        def stage(name, fn):
+            t0 = time.time()
+            r = fn()
+            res["windows"][name] = (t0, time.time())
+            log(name, json.dumps({k: v for k, v in r.items() if k != "per_prompt"})[:400])
+            res["stages"][name] = r
+            return r
+
+        def learn():
+            rows = []
+            for c in (1, 4, 16, 64):
+                outs, wall = asyncio.run(timed_loop(port, mixed, c, a.learn_s, a.new_tokens, offset=40))
+                rows.append({"concurrency": c, **summarize_requests(outs, wall)})
+            return {"levels": rows, "policy": d.status()["policy"]}
+        stage("learn", learn)
+        probe = mtb[:12]
+
+        def alone():
+            outs = asyncio.run(one_by_one(port, probe, a.probe_tokens))
+            pp = per_prompt(outs)
+            acc = [v["accept"] for v in pp.values() if v["accept"]]
+            return {"requests": len(outs), "errors": sum(1 for o in outs if "error" in o),
+                    "accept_length_mean": round(st.mean(acc), 4) if acc else None, "per_prompt": pp}
+        before = stage("before", alone)
+
+        def off_period():
+            outs, wall = asyncio.run(timed_loop(port, mixed, 64, a.off_s, a.new_tokens, offset=100))
+            return summarize_requests(outs, wall)
+        stage("off", off_period)
+        after = stage("after", alone)
+        same_ids = sum(1 for k, v in before["per_prompt"].items()
+                       if k in after["per_prompt"] and after["per_prompt"][k]["ids"] == v["ids"])
+        res["acceptance_after_off"] = {
+            "before": before["accept_length_mean"], "after": after["accept_length_mean"],
+            "ratio": round(after["accept_length_mean"] / before["accept_length_mean"], 4)
+            if before["accept_length_mean"] and after["accept_length_mean"] else None,
+            "per_prompt": {k: [v["accept"], after["per_prompt"].get(k, {}).get("accept")] for k, v in before["per_prompt"].items()},
+            "ids_identical_before_after": f"{same_ids}/{len(before['per_prompt'])}"}
+
+        def kill_restart():
+            ver_before = d.status()["policy"]["version"]
+            marks = {}
+
+            async def run():
+                task = asyncio.ensure_future(timed_loop(port, mixed, 4, a.kill_total_s, a.new_tokens, offset=200))
+                loop = asyncio.get_running_loop()
+                await asyncio.sleep(5)
+                await loop.run_in_executor(None, d.kill, signal.SIGKILL)
+                marks["killed"] = time.time()
+                await asyncio.sleep(a.dead_s)
+                st_ = await loop.run_in_executor(None, d.start)  # the clients keep going meanwhile
+                marks["restarted"] = time.time()
+                marks["version_after_restart"] = st_["policy"]["version"]
+                return await task
+            outs, wall = asyncio.run(run())
+            r = summarize_requests(outs, wall)
+            r.update(version_before_kill=ver_before, **marks)
+            return r
+        stage("kill", kill_restart)
+    finally:
+        RB.kill_tree(sv["proc"])
+        time.sleep(3)
+        d.stop()
+        d.save(os.path.join(a.out, "policies.json"))
+    from specctl.policies.fixed import fixed_threshold
+    from specctl.policies.table import chain
+    dec = SC.read_decisions(os.path.join(a.out, "decisions-rank0.txt"))
+    res["audit"] = SC.audit_decisions(dec, {v: x["policy"] for v, x in d.policies.items()},
+                                      fallback=fixed_threshold(5, chain(3)))
+    slog = os.path.join(a.out, "server.log")
+    res["audit"]["sglang_switch_lines"] = SC.count_switch_lines(open(slog, errors="replace").read())
+    res["log"] = {k: grep(slog, p) for k, p in {
+        "policy_in_force": r"specctl: policy v\d+", "fallback": r"specctl: fixed-threshold fallback",
+        "hooks": r"specctl: all \d+ hooks in place|did not take effect", "engine": r"specctl: engine ready",
+        "switch": r"Switch adaptive runtime state", "traceback": r"Traceback", "error": r"\bERROR\b"}.items()}
+    res["telemetry"] = telemetry_by_window(os.path.join(a.out, "telemetry"), res["windows"])
+    res["daemon_events"] = d.events
+    return res
+
+
+# ---------------------------------------------------------------- identity
+
+def file_policy(path):
+    rows = []
+    for lo, hi, s in FILE_TABLE:
+        r = {"min_batch": lo, "config": {"steps": s, "topk": 1, "draft_tokens": s + 1 if s else 1}}
+        if hi is not None:
+            r["max_batch"] = hi
+        rows.append(r)
+    json.dump({"kind": "policy", "schema": 1, "version": 1, "created_at": time.time(), "source": "file", "table": rows},
+              open(path, "w"))
+
+
+def cmd_identity(a):
+    os.makedirs(a.out, exist_ok=True)
+    site = SC.make_site(a.site)
+    mtb, he = load_prompts(a.model, a.prompts)
+    items = [x for pair in zip(mtb, he) for x in pair][:a.n_prompts]
+    pol = os.path.join(a.out, "identity-policy.json")
+    file_policy(pol)
+    cfg = os.path.join(a.out, "adaptive.json")
+    json.dump({"1": {"candidate_steps": [0, 1, 3]}}, open(cfg, "w"))
+    servers = {}
+    k = 0
+    for dt in a.dtypes.split(","):
+        for mode in ("off", "specctl"):
+            args = common_args(64, a.mem_fraction) + ["--dtype", dt]
+            env = dict(os.environ)
+            if mode == "specctl":
+                args += eagle_args(a.draft, 3) + ["--speculative-adaptive", "--speculative-adaptive-config", cfg]
+                env = SC.with_pythonpath(dict(env, SGLANG_PLUGINS="specctl", SPECCTL_MODE="file",
+                                              SPECCTL_POLICY_FILE=pol, SPECCTL_TELEMETRY="none", SPECCTL_POLICY="none",
+                                              SPECCTL_DECISION_LOG=os.path.join(a.out, f"decisions-{dt}-rank{{rank}}.txt")), site)
+            servers[(dt, mode)] = launch(a.model, a.port + 10 * k, args, env, os.path.join(a.out, f"identity-{dt}-{mode}.log"))
+            k += 1
+    res = {"model": a.model, "table": FILE_TABLE, "n_prompts": len(items), "dtypes": {}}
+    try:
+        for key, sv in servers.items():
+            sv["ok"] = wait_ready(sv, a.ready_s)
+            log("ready" if sv["ok"] else "NOT READY", key, round(time.time() - sv["t"], 1), "s")
+        for dt in a.dtypes.split(","):
+            outs = {}
+            for mode in ("off", "specctl"):
+                sv = servers[(dt, mode)]
+                if not sv["ok"]:
+                    outs[mode] = None
+                    continue
+                outs[mode] = asyncio.run(all_at_once(sv["port"], items, a.min_tokens, a.step_tokens))
+            r = {"ready": {m: servers[(dt, m)]["ok"] for m in ("off", "specctl")}}
+            if outs["off"] is not None and outs["specctl"] is not None:
+                ref = {o["pid"]: o.get("ids") for o in outs["off"] if "error" not in o}
+                got = {o["pid"]: o.get("ids") for o in outs["specctl"] if "error" not in o}
+                first = {}
+                for pid, ids in got.items():
+                    rr = ref.get(pid)
+                    if rr is None or ids is None:
+                        continue
+                    kk = next((i for i, (x, y) in enumerate(zip(ids, rr)) if x != y), None)
+                    if kk is None and len(ids) != len(rr):
+                        kk = min(len(ids), len(rr))
+                    first[pid] = kk
+                r.update(identical=sum(1 for v in first.values() if v is None), of=len(first),
+                         tokens_compared=sum(len(ref[p]) for p in first),
+                         first_divergence={p: v for p, v in first.items() if v is not None},
+                         errors=sum(1 for o in outs["off"] + outs["specctl"] if "error" in o))
+                dl = os.path.join(a.out, f"decisions-{dt}-rank0.txt")
+                if os.path.exists(dl):
+                    hist = {}
+                    for _, _, s, _ in SC.read_decisions(dl):
+                        hist[s] = hist.get(s, 0) + 1
+                    r["specctl_steps_used"] = dict(sorted(hist.items()))
+                r["sglang_switch_lines"] = SC.count_switch_lines(open(servers[(dt, "specctl")]["log"], errors="replace").read())
+            else:
+                r["tails"] = {m: open(servers[(dt, m)]["log"], errors="replace").read()[-1500:] for m in ("off", "specctl")
+                              if not servers[(dt, m)]["ok"]}
+            res["dtypes"][dt] = r
+            log("identity", dt, json.dumps({k2: v for k2, v in r.items() if k2 != "tails"})[:500])
+    finally:
+        for sv in servers.values():
+            RB.kill_tree(sv["proc"])
+    return res
+
+
+async def all_at_once(port, items, min_tokens, step_tokens):
+    import aiohttp
+    out = []
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=900)) as s:
+        await asyncio.gather(*[RB.one_request(s, port, x["ids"], min_tokens + step_tokens * i, out, False, x.get("id"))
+                               for i, x in enumerate(items)])
+    return out
+
+
+# ---------------------------------------------------------------- overhead
+
+def cmd_overhead(a):
+    os.makedirs(a.out, exist_ok=True)
+    site = SC.make_site(a.site)
+    mtb, he = load_prompts(a.model, a.prompts)
+    mixed = [x for pair in zip(mtb, he) for x in pair]
+    cfg = os.path.join(a.out, "adaptive-threshold.json")
+    json.dump({"1": {"candidate_steps": [3]}, "5": {"candidate_steps": [0]}}, open(cfg, "w"))
+    rundir = "/tmp/specctl-ovh-run"
+    d = SC.Daemon(rundir=rundir, state_dir="/tmp/specctl-ovh-state", site=site, log_path=os.path.join(a.out, "serve-ovh.log"),
+                  extra=("--mode", "fixed"))
+    d.start()
+    base_args = common_args(64, a.mem_fraction) + eagle_args(a.draft, 3) + [
+        "--speculative-adaptive", "--speculative-adaptive-config", cfg]
+    env_plain = dict(os.environ)
+    env_plug = SC.with_pythonpath(dict(os.environ, **SC.plugin_env(mode="fixed", rundir=rundir, server_id="ovh",
+                                                                   threshold=5, config="s3")), site)
+    sv = {"without": launch(a.model, a.port, base_args, env_plain, os.path.join(a.out, "ovh-without.log")),
+          "with": launch(a.model, a.port + 10, base_args, env_plug, os.path.join(a.out, "ovh-with.log"))}
+    res = {"policy": "threshold:5:s3", "levels": [], "reps": a.reps, "seconds": a.ovh_s}
+    try:
+        for k, s in sv.items():
+            s["ok"] = wait_ready(s, a.ready_s)
+            log(k, "ready" if s["ok"] else "NOT READY", round(time.time() - s["t"], 1), "s")
+        if not all(s["ok"] for s in sv.values()):
+            res["tails"] = {k: open(s["log"], errors="replace").read()[-1500:] for k, s in sv.items() if not s["ok"]}
+            return res
+        for s in sv.values():
+            asyncio.run(RB.closed_loop(s["port"], mixed[:8], 8, 8, 16))
+        for c in (int(x) for x in a.levels.split(",")):
+            runs = {"without": [], "with": []}
+            order = ["without", "with"]
+            for rep in range(a.reps):
+                for k in (order if rep % 2 == 0 else order[::-1]):
+                    outs, wall = asyncio.run(timed_loop(sv[k]["port"], mixed, c, a.ovh_s, a.new_tokens, offset=17 * rep))
+                    r = summarize_requests(outs, wall)
+                    runs[k].append(r["output_tokens_per_s"])
+            mw, mo = st.mean(runs["with"]), st.mean(runs["without"])
+            row = {"concurrency": c, "tok_s_without": runs["without"], "tok_s_with": runs["with"],
+                   "ratio_with_over_without": round(mw / mo, 4),
+                   "rep_spread_without": round((max(runs["without"]) - min(runs["without"])) / mo, 4)}
+            res["levels"].append(row)
+            log("overhead", json.dumps(row))
+        res["plugin_log"] = grep(sv["with"]["log"], r"specctl:")
+    finally:
+        for s in sv.values():
+            RB.kill_tree(s["proc"])
+        d.stop()
+    return res
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("cmd", choices=["online", "identity", "overhead"])
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--draft", required=True)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--prompts", default="/tmp/specctl-stash/aux/prompts")
+    ap.add_argument("--site", default="/tmp/specctl_site")
+    ap.add_argument("--port", type=int, default=32000)
+    ap.add_argument("--mem-fraction", type=float, default=0.35)
+    ap.add_argument("--ready-s", type=float, default=300)
+    ap.add_argument("--new-tokens", type=int, default=128)
+    # online
+    ap.add_argument("--stale-s", type=float, default=5.0)
+    ap.add_argument("--learn-s", type=float, default=10.0)
+    ap.add_argument("--probe-tokens", type=int, default=128)
+    ap.add_argument("--off-s", type=float, default=45.0)
+    ap.add_argument("--kill-total-s", type=float, default=35.0)
+    ap.add_argument("--dead-s", type=float, default=15.0)
+    # identity
+    ap.add_argument("--dtypes", default="float32,bfloat16")
+    ap.add_argument("--n-prompts", type=int, default=32)
+    ap.add_argument("--min-tokens", type=int, default=24)
+    ap.add_argument("--step-tokens", type=int, default=8)
+    # overhead
+    ap.add_argument("--levels", default="2,16")
+    ap.add_argument("--reps", type=int, default=4)
+    ap.add_argument("--ovh-s", type=float, default=12.0)
+    a = ap.parse_args()
+    fn = {"online": cmd_online, "identity": cmd_identity, "overhead": cmd_overhead}[a.cmd]
+    res = fn(a)
+    res["wall_s"] = round(time.time() - T0, 1)
+    path = os.path.join(a.out, f"{a.cmd}.json")
+    json.dump(res, open(path, "w"), indent=1, default=str)
+    log("wrote", path)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,83 @@
+"""CPU tests of benchmarks/gpu/specctl_side.py: the decision audit against published policies, the
+decision-log reader, and the daemon wrapper over real ipc sockets (the same code the GPU runs use)."""
+import json
+import os
+import signal
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "gpu"))
+import specctl_side as SC  # noqa: E402
+
+from specctl.policies.fixed import fixed_threshold  # noqa: E402
+from specctl.policies.table import chain  # noqa: E402
+
+
+def pol(version, rows, explore=None, period=None):
+    def cfg(s):
+        return {"steps": s, "topk": 1, "draft_tokens": s + 1 if s else 1}
+    obj = {"kind": "policy", "schema": 1, "version": version, "created_at": 1.0, "source": "online",
+           "table": [dict({"min_batch": a, "config": cfg(s)}, **({"max_batch": b} if b else {})) for a, b, s in rows]}
+    if explore:
+        obj["explore"] = [dict({"min_batch": a, "config": cfg(s)}, **({"max_batch": b} if b else {})) for a, b, s in explore]
+        obj["explore_period"] = period
+    return obj
+
+
+def test_audit_replays_tables_fallback_and_exploration():
+    from specctl.policies.table import PolicyTable
+    p2 = pol(2, [(1, 3, 3), (4, None, 0)], explore=[(1, 3, 1)], period=64)
+    t2 = PolicyTable.from_policy_obj(p2)
+    fb = fixed_threshold(5, chain(3))
+    dec = [(0, 1, 3, None), (1, 6, 0, None)]  # fallback: bs < 5 -> s3, else off
+    for step in range(2, 200):
+        bs = 1 + step % 6
+        dec.append((step, bs, t2.decide(bs, step)[0], 2))  # exactly what the engine decides, explore rows included
+    assert any(s == 1 for _, _, s, _ in dec)  # exploration happened
+    r = SC.audit_decisions(dec, {2: p2}, fallback=fb)
+    assert (r["decisions"], r["checked"], r["match"], r["match_frac"]) == (200, 200, 200, 1.0)
+    assert r["versions"]["F"]["decisions"] == 2 and r["versions"]["2"]["match"] == 198
+    bad = dec + [(200, 2, 0, 2), (201, 9, 3, 7)]  # a wrong choice; a version never seen
+    r = SC.audit_decisions(bad, {2: p2}, fallback=fb)
+    assert r["match"] == 200 and r["checked"] == 201 and r["unknown_version"] == 1
+    assert r["mismatches"] == [{"step": 200, "batch_size": 2, "steps": 0, "version": 2, "table_says": 3}]
+
+
+def test_read_decisions_skips_header_and_cut_lines(tmp_path):
+    p = tmp_path / "d.txt"
+    p.write_text("# specctl decisions rank 0: step batch_size steps version\n0 1 3 F\n1 2 3 4\n2 8 0 4\n3 8")
+    assert SC.read_decisions(str(p)) == [(0, 1, 3, None), (1, 2, 3, 4), (2, 8, 0, 4)]
+    assert SC.read_decisions(str(tmp_path / "missing.txt")) == []
+
+
+def test_plugin_env():
+    e = SC.plugin_env(mode="fixed", rundir="/r", server_id="s", threshold=5, config="s3", decision_log="/o/d{rank}.txt")
+    assert e == {"SGLANG_PLUGINS": "specctl", "SPECCTL_MODE": "fixed", "SPECCTL_RUNDIR": "/r", "SPECCTL_SERVER_ID": "s",
+                 "SPECCTL_DECISION_LOG": "/o/d{rank}.txt", "SPECCTL_FALLBACK_THRESHOLD": "5", "SPECCTL_FALLBACK_CONFIG": "s3"}
+    assert SC.with_pythonpath({"PYTHONPATH": "/a:/b"}, "/s")["PYTHONPATH"] == "/s:/a:/b"
+
+
+def test_daemon_start_poll_kill_restart_keeps_the_version(tmp_path):
+    """The real `specctl serve` over ipc: started, polled, SIGKILLed, restarted on the same state dir."""
+    import time
+    site = str(tmp_path / "site")
+    SC.make_site(site)
+    d = SC.Daemon(rundir=str(tmp_path / "run"), state_dir=str(tmp_path / "state"), site=site,
+                  log_path=str(tmp_path / "serve.log"), record_dir=str(tmp_path / "rec"))
+    try:
+        st = d.start(wait_s=60)
+        v = st["policy"]["version"]
+        time.sleep(0.6)
+        assert v in d.policies
+        d.kill(signal.SIGKILL)
+        assert d.proc.poll() is not None
+        st2 = d.start(wait_s=60)
+        assert st2["policy"]["version"] == v
+    finally:
+        d.stop()
+    d.save(str(tmp_path / "p.json"))
+    saved = json.loads((tmp_path / "p.json").read_text())
+    assert [e["event"] for e in saved["events"]][:2] == ["start", "ready"]
+    assert any(e["event"] == "signal 9" for e in saved["events"])
+    assert saved["policies"][0]["version"] == v
