@@ -58,12 +58,12 @@ case $step in
     done ;;
   checks)
     need_site; draft_tok
-    E="timeout ${CHECKS_TIMEOUT:-540} python3 benchmarks/gpu/specctl_e2e.py"
+    E="python3 benchmarks/gpu/specctl_e2e.py"
     ( export CUDA_VISIBLE_DEVICES=0 PYTHONPATH=/tmp/site
-      $E identity --model $M/base --draft $M/draft --out $OUT/c0 --mem-fraction 0.12 --port 32000
-      $E overhead --model $M/8b --draft $M/draft --out $OUT/c0 --mem-fraction 0.35 --port 32100 ) > $OUT/c0.log 2>&1 &
+      timeout ${ID_T:-200} $E identity --model $M/base --draft $M/draft --out $OUT/c0 --mem-fraction 0.12 --port 32000
+      timeout ${OVH_T:-330} $E overhead --model $M/8b --draft $M/draft --out $OUT/c0 --mem-fraction 0.35 --port 32100 ) > $OUT/c0.log 2>&1 &
     ( export CUDA_VISIBLE_DEVICES=1 PYTHONPATH=/tmp/site
-      $E online --model $M/8b --draft $M/draft --out $OUT/c1 --mem-fraction 0.5 --port 33000 ) > $OUT/c1.log 2>&1 &
+      timeout ${ONLINE_T:-500} $E online --model $M/8b --draft $M/draft --out $OUT/c1 --mem-fraction 0.5 --port 33000 ) > $OUT/c1.log 2>&1 &
     wait
     for g in 0 1; do
       grep -v "Decode batch" $OUT/c$g.log | grep -E "^\[|Error|error" | tail -30

@@ -34,6 +34,7 @@ import json
 import os
 import random
 import re
+import shutil
 import statistics as st
 import subprocess
 import sys
@@ -257,6 +258,7 @@ def main():
             sdir = os.path.join(a.out, f"specctl-{tag}")
             os.makedirs(sdir, exist_ok=True)
             rundir = f"/tmp/specctl-run-{port}"
+            shutil.rmtree(f"/tmp/specctl-state-{port}", ignore_errors=True)  # every run learns from scratch
             side = SC.Daemon(rundir=rundir, state_dir=f"/tmp/specctl-state-{port}", site=site,
                              log_path=os.path.join(sdir, "serve.log"), record_dir=os.path.join(sdir, "telemetry"),
                              extra=() if pol == "specctl" else ("--mode", "fixed"))

@@ -28,6 +28,7 @@ import asyncio
 import json
 import os
 import re
+import shutil
 import signal
 import statistics as st
 import subprocess
@@ -163,6 +164,7 @@ def cmd_online(a):
     mtb, he = load_prompts(a.model, a.prompts)
     mixed = [x for pair in zip(mtb, he) for x in pair]
     rundir, state = "/tmp/specctl-e2e-run", "/tmp/specctl-e2e-state"
+    shutil.rmtree(state, ignore_errors=True)  # learn from scratch (the kill stage restarts on this dir)
     d = SC.Daemon(rundir=rundir, state_dir=state, site=site, log_path=os.path.join(a.out, "serve.log"),
                   record_dir=os.path.join(a.out, "telemetry"))
     d.start()
