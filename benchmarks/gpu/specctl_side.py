@@ -21,11 +21,24 @@ CONFIGS = "off,s1,s2,s3"  # the runtime states the specctl servers are launched 
 
 
 def make_site(dest: str = "/tmp/specctl_site", repo: str = REPO) -> str:
-    """specctl as a PYTHONPATH folder with its entry points (no wheel, no network); importable here too."""
-    sys.path.insert(0, HERE)
-    import plugin_smoke  # noqa: E402
-
-    plugin_smoke.cmd_site(repo, dest)
+    """specctl as a PYTHONPATH folder with its entry points (no wheel, no network); importable here too:
+    DEST/specctl/{policies,controller,training,plugin} -> REPO/... (specctl is a namespace package) and
+    DEST/specctl-0.1.0.dist-info with the `sglang.srt.plugins` entry point that SGLang's load_plugins() finds."""
+    repo = os.path.abspath(repo)
+    pkg = os.path.join(dest, "specctl")
+    os.makedirs(pkg, exist_ok=True)
+    for sub in ("policies", "controller", "training", "plugin"):
+        link = os.path.join(pkg, sub)
+        if os.path.islink(link):
+            os.remove(link)
+        os.symlink(os.path.join(repo, sub), link)
+    di = os.path.join(dest, "specctl-0.1.0.dist-info")
+    os.makedirs(di, exist_ok=True)
+    with open(os.path.join(di, "METADATA"), "w") as f:
+        f.write("Metadata-Version: 2.1\nName: specctl\nVersion: 0.1.0\n")
+    with open(os.path.join(di, "entry_points.txt"), "w") as f:
+        f.write("[sglang.srt.plugins]\nspecctl = specctl.plugin:register\n\n"
+                "[console_scripts]\nspecctl = specctl.controller.cli:main\n")
     if dest not in sys.path:
         sys.path.insert(0, dest)
     return dest
