@@ -29,32 +29,10 @@ log(){ echo "[$(el)s] $*" | tee -a "$OUT/smoke.log"; }
 G=benchmarks/gpu; B=$G/bundle; SITE=/tmp/site; SP=/tmp/specctl_site; M=/tmp/m
 PORT=30000; URL=http://127.0.0.1:$PORT; TEL=ipc:///tmp/specctl/t.sock
 
-# ---- 1. overlay
-if [ ! -f $SITE/.installed ]; then
-  python3 - "$B" >> "$OUT/smoke.log" 2>&1 <<'EOF'
-import hashlib, json, os, sys
-b = sys.argv[1]; m = json.load(open(os.path.join(b, "MANIFEST.json")))
-want = {p["name"]: p["sha256"] for p in m["artifacts"]["site.txz"]["parts"]}
-for ln in open(os.path.join(b, "smoke", "SHA256SUMS")):
-    h, name = ln.split(); want["smoke/" + name] = h
-bad = []
-for name, sha in want.items():
-    h = hashlib.sha256()
-    with open(os.path.join(b, name), "rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 22), b""): h.update(chunk)
-    ok = h.hexdigest() == sha; bad += [] if ok else [name]
-    print("sha256", name, "ok" if ok else "MISMATCH")
-sys.exit(1 if bad else 0)
-EOF
-  [ $? -eq 0 ] || { log "bundle sha256 mismatch"; exit 3; }
-  rm -rf /tmp/site.tmp && mkdir -p /tmp/site.tmp && tar xJf $B/site.txz.part00 -C /tmp/site.tmp && rm -rf $SITE \
-    && mv /tmp/site.tmp/site $SITE && tar xJf $B/smoke/deepgemm.txz -C $SITE && touch $SITE/.installed || { log "overlay install FAILED"; exit 3; }
-  tar xJf $B/smoke/jitcache.txz -C / 2>/dev/null && log "restored JIT cache"
-fi
-python3 $G/plugin_smoke.py site . $SP >/dev/null
-export PYTHONPATH=$SITE:$SP
-log "overlay ready ($(du -sh $SITE | cut -f1)); $(python3 -c 'import importlib.metadata as m; print([e.value for e in m.entry_points(group="sglang.srt.plugins")])' 2>&1)"
-python3 -c 'import specctl.plugin, specctl.plugin.sglang_hooks, zmq, pydantic, sys; print("specctl.plugin imports OK; sklearn loaded:", "sklearn" in sys.modules)' 2>&1 | tee -a "$OUT/smoke.log"
+# ---- 1. overlay (benchmarks/gpu/overlay.sh: shared with tp2_check.sh)
+. $G/overlay.sh
+overlay_install "$OUT/smoke.log" || exit 3
+specctl_site "$OUT/smoke.log" || exit 3
 
 # ---- 2. models
 [ -f $M/draft_agree/config.json ] || python3 $G/tiny_models.py $M 2>&1 | grep -v -i -e warn -e Writing | tail -3 | tee -a "$OUT/smoke.log"
