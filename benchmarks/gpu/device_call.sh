@@ -7,8 +7,8 @@
 #   bash benchmarks/gpu/device_call.sh bench [run_bench args]  SGLang runs (needs the site: PYTHONPATH=/tmp/site)
 #   bash benchmarks/gpu/device_call.sh sweep2 POLS0 POLS1 [run_bench args]   2 GPUs: one run_bench per GPU at
 #        once (POLS0 on GPU 0, POLS1 on GPU 1), each packed to $OUT/g<N>.tgz + $OUT/bench-g<N>.json
-#   bash benchmarks/gpu/device_call.sh checks      2 GPUs: specctl_e2e.py identity + overhead on GPU 0,
-#        online (daemon, off period, daemon kill) on GPU 1 -> $OUT/checks-g<N>.tgz + the JSONs
+#   bash benchmarks/gpu/device_call.sh checks C0 C1   2 GPUs: specctl_e2e.py subcommands (identity, online,
+#        overhead; comma lists, "-" = none) on GPU 0 and GPU 1 at once -> $OUT/checks-g<N>.tgz + the JSONs
 set -uo pipefail
 export PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/out} TOKENIZERS_PARALLELISM=false
 S=/tmp/specctl-stash; M=/tmp/m; mkdir -p $OUT $M
@@ -46,26 +46,31 @@ case $step in
   sweep2)
     need_site; draft_tok; P0=$1; P1=$2; shift 2
     for g in 0 1; do
-      pols=$P0; [ $g = 1 ] && pols=$P1
+      pols=$P0; [ $g = 1 ] && pols=$P1; [ "$pols" = - ] && continue
       CUDA_VISIBLE_DEVICES=$g PYTHONPATH=/tmp/site timeout ${BENCH_TIMEOUT:-560} python3 benchmarks/gpu/run_bench.py --draft $M/draft \
         --out $OUT/g$g --port0 $((31000 + 1000 * g)) --policies $pols "$@" > $OUT/g$g.log 2>&1 &
     done
     wait
     for g in 0 1; do
+      [ -f $OUT/g$g.log ] || continue
       grep -v "Decode batch" $OUT/g$g.log | grep -E "^\[|Error|error" | tail -30
       cp $OUT/g$g/bench-*.json $OUT/bench-g$g.json 2>/dev/null; mv $OUT/g$g.log $OUT/g$g/run.log
       tar czf $OUT/g$g.tgz -C $OUT g$g && rm -rf $OUT/g$g
     done ;;
-  checks)
+  checks)  # checks C0 C1: comma lists of specctl_e2e.py subcommands run in turn on GPU 0 / GPU 1 ("-": none)
     need_site; draft_tok
-    E="python3 benchmarks/gpu/specctl_e2e.py"
-    ( export CUDA_VISIBLE_DEVICES=0 PYTHONPATH=/tmp/site
-      timeout ${ID_T:-200} $E identity --model $M/base --draft $M/draft --out $OUT/c0 --mem-fraction 0.12 --port 32000
-      timeout ${OVH_T:-330} $E overhead --model $M/8b --draft $M/draft --out $OUT/c0 --mem-fraction 0.35 --port 32100 ) > $OUT/c0.log 2>&1 &
-    ( export CUDA_VISIBLE_DEVICES=1 PYTHONPATH=/tmp/site
-      timeout ${ONLINE_T:-500} $E online --model $M/8b --draft $M/draft --out $OUT/c1 --mem-fraction 0.5 --port 33000 ) > $OUT/c1.log 2>&1 &
+    for g in 0 1; do
+      list=$1; [ $g = 1 ] && list=$2; [ "$list" = - ] && continue
+      ( export CUDA_VISIBLE_DEVICES=$g PYTHONPATH=/tmp/site
+        k=0; for c in ${list//,/ }; do k=$((k + 1))
+          model=$M/8b; [ $c = identity ] && model=$M/base
+          t=${ONLINE_T:-300}; [ $c = identity ] && t=${ID_T:-200}; [ $c = overhead ] && t=${OVH_T:-260}
+          timeout $t python3 benchmarks/gpu/specctl_e2e.py $c --model $model --draft $M/draft --out $OUT/c$g --port $((32000 + 1000 * g + 100 * k))
+        done ) > $OUT/c$g.log 2>&1 &
+    done
     wait
     for g in 0 1; do
+      [ -f $OUT/c$g.log ] || continue
       grep -v "Decode batch" $OUT/c$g.log | grep -E "^\[|Error|error" | tail -30
       for f in identity overhead online; do [ -f $OUT/c$g/$f.json ] && cp $OUT/c$g/$f.json $OUT/; done
       mv $OUT/c$g.log $OUT/c$g/run.log; tar czf $OUT/checks-g$g.tgz -C $OUT c$g && rm -rf $OUT/c$g

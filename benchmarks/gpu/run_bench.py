@@ -197,6 +197,10 @@ def main():
     ap.add_argument("--results", default=None, help="also write the results JSON here")
     ap.add_argument("--parallel", type=int, default=3)
     ap.add_argument("--mem-fraction", type=float, default=0.0, help="per server; 0 = 0.8/parallel")
+    ap.add_argument("--max-total-tokens", type=int, default=0,
+                    help="cap each server's KV pool (tokens): with it, servers started at once on one GPU can all "
+                         "use a high --mem-fraction (SGLang checks the fraction against the memory free at its "
+                         "own load time, which other servers' pools have taken)")
     ap.add_argument("--deadline-s", type=float, default=540)
     ap.add_argument("--prompts", default="/tmp/specctl-stash/aux/prompts")
     ap.add_argument("--specctl-learn", default="1,2,4,8,16,32,64,128",
@@ -229,6 +233,8 @@ def main():
               "--mm-feature-transport", "cpu", "--decode-log-interval", "10", "--max-running-requests", str(maxc),
               "--cuda-graph-max-bs-decode", str(maxc), "--mem-fraction-static", str(memf),
               "--chunked-prefill-size", "8192", "--sleep-on-idle", "--host", "127.0.0.1"]
+    if a.max_total_tokens:
+        common += ["--max-total-tokens", str(a.max_total_tokens)]
     if not a.prefill_graph:
         common.append("--disable-prefill-cuda-graph")  # ~50 s less start-up per server; decode graphs stay
     plugin_pols = [p for p in policies if parse_policy(p)["kind"] in ("specctl", "plugin-fixed")]

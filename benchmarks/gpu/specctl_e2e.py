@@ -49,8 +49,11 @@ def log(*a):
     print(f"[{time.time() - T0:6.1f}s]", *a, flush=True)
 
 
+MAX_TOTAL_TOKENS = 80000  # per server KV cap, so that servers started together on one GPU all fit (run_bench.py)
+
+
 def common_args(maxc, memf):
-    return ["--attention-backend", "triton", "--sampling-backend", "pytorch", "--grammar-backend", "none",
+    return ["--max-total-tokens", str(MAX_TOTAL_TOKENS), "--attention-backend", "triton", "--sampling-backend", "pytorch", "--grammar-backend", "none",
             "--mm-feature-transport", "cpu", "--decode-log-interval", "10", "--max-running-requests", str(maxc),
             "--cuda-graph-max-bs-decode", str(maxc), "--mem-fraction-static", str(memf), "--chunked-prefill-size",
             "8192", "--sleep-on-idle", "--host", "127.0.0.1", "--disable-prefill-cuda-graph"]
@@ -420,7 +423,7 @@ def main():
     ap.add_argument("--prompts", default="/tmp/specctl-stash/aux/prompts")
     ap.add_argument("--site", default="/tmp/specctl_site")
     ap.add_argument("--port", type=int, default=32000)
-    ap.add_argument("--mem-fraction", type=float, default=0.35)
+    ap.add_argument("--mem-fraction", type=float, default=0.85)
     ap.add_argument("--ready-s", type=float, default=300)
     ap.add_argument("--new-tokens", type=int, default=128)
     # online
@@ -437,8 +440,8 @@ def main():
     ap.add_argument("--step-tokens", type=int, default=8)
     # overhead
     ap.add_argument("--levels", default="2,16")
-    ap.add_argument("--reps", type=int, default=4)
-    ap.add_argument("--ovh-s", type=float, default=12.0)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--ovh-s", type=float, default=10.0)
     a = ap.parse_args()
     fn = {"online": cmd_online, "identity": cmd_identity, "overhead": cmd_overhead}[a.cmd]
     res = fn(a)
