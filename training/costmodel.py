@@ -374,6 +374,22 @@ class CostModel:
             out.append((lo, hi, wsum * f))
         return out
 
+    def step_time_cv(self) -> Optional[float]:
+        """Robust coefficient of variation of the step time at a fixed configuration and batch
+        size: the median over (configuration, batch size) cells of 1.4826 * MAD / median of
+        their recent values; None while no cell has MIN_SETTLED values. Pooled because the
+        noise is the engine's (scheduling, clocks), and a configuration that is only explored
+        now and then never gathers enough values of its own."""
+        cvs = []
+        for cell in self.times_.values():
+            values, _ = cell.settled()
+            if len(values) >= MIN_SETTLED:
+                v = np.asarray(values, dtype=float)
+                med = float(np.median(v))
+                if med > 0:
+                    cvs.append(1.4826 * float(np.median(np.abs(v - med))) / med)
+        return float(np.median(cvs)) if cvs else None
+
     def step_samples(self, c: Config) -> float:
         """Decayed step-time samples of c (all batch sizes), as of the newest timestamp."""
         w = sum(cell.weight + cell.warm_weight for (k, _), cell in self.times_.items() if k == tuple(c))
