@@ -36,6 +36,9 @@ class ServiceSettings:
     heartbeat_s: float = 2.0
     half_life_s: float = 600.0  # step-time memory (hardware: slow to change)
     accept_half_life_s: float = 8.0  # acceptance memory (traffic: shifts within seconds)
+    # two seconds in a row this many standard errors off the acceptance history replace it
+    # (0 = off: shifts are then followed at the pace of accept_half_life_s)
+    accept_change_z: float = 3.0
     # keep measuring acceptance on exploring steps where plain decode is chosen (see
     # ControllerService._with_acceptance_probes)
     acceptance_probes: bool = True
@@ -82,6 +85,7 @@ class ControllerService:
         self.recorder = recorder
         self.model = CostModel(half_life_s=settings.half_life_s,
                                accept_half_life_s=settings.accept_half_life_s,
+                               accept_change_z=settings.accept_change_z,
                                warmup_steps=settings.warmup_steps,
                                min_region_samples=settings.min_region_samples)
         self.model.fit([])
