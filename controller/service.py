@@ -36,9 +36,15 @@ class ServiceSettings:
     heartbeat_s: float = 2.0
     half_life_s: float = 600.0  # step-time memory (hardware: slow to change)
     accept_half_life_s: float = 8.0  # acceptance memory (traffic: shifts within seconds)
+    # two seconds in a row this many standard errors off the acceptance history replace it
+    # (0 = off: shifts are then followed at the pace of accept_half_life_s)
+    accept_change_z: float = 3.0
     # keep measuring acceptance on exploring steps where plain decode is chosen (see
     # ControllerService._with_acceptance_probes)
     acceptance_probes: bool = True
+    # stop exploring a (region, configuration) once it is this many standard errors of its
+    # measured step time away from winning there (0 = explore until min_region_samples)
+    explore_decided_z: float = 3.0
     warmup_steps: int = 2
     # configurations the engines have runtime states for; None = those seen in telemetry + off
     candidates: Optional[tuple[Config, ...]] = None
@@ -79,6 +85,7 @@ class ControllerService:
         self.recorder = recorder
         self.model = CostModel(half_life_s=settings.half_life_s,
                                accept_half_life_s=settings.accept_half_life_s,
+                               accept_change_z=settings.accept_change_z,
                                warmup_steps=settings.warmup_steps,
                                min_region_samples=settings.min_region_samples)
         self.model.fit([])
@@ -240,6 +247,7 @@ class ControllerService:
             base = current if all(c in usable for c in current.configs()) else None
             derived = cmpolicy.derive(options, previous=current if self.policy.source == "online" else None,
                                       margin=self.settings.margin, default=base)
+            explore = self._without_decided(explore, derived, options)
             explore = self._with_acceptance_probes(explore, derived, options)
             table = PolicyTable(rows=derived.rows, explore=explore,
                                 explore_period=self.settings.explore_period if explore else 0)
@@ -286,6 +294,48 @@ class ControllerService:
                 coverage[c] = [(lo, hi, 0.0) for lo, hi in regions(top)]
         rows = list(cmpolicy.explore_rows(coverage, self.settings.min_region_samples))
         return tuple(sorted(rows, key=lambda r: (r.min_batch, r.config))[:MAX_EXPLORE_ROWS])
+
+    def _without_decided(self, rows: tuple[Row, ...], table: PolicyTable,
+                         options: list[cmpolicy.Option]) -> tuple[Row, ...]:
+        """Drop the exploration rows whose configuration has lost its region beyond doubt.
+
+        The median of n step times with noise cv is off by about 1.25 cv / sqrt(n). A row stays
+        while its configuration, sped up by `explore_decided_z` such errors, could beat the
+        table's choice (slowed down likewise) at some batch size of the region seen so far, and
+        wherever either prediction is an untrusted extrapolation or rests on under one sample.
+        Samples decay with the step-time half-life, so a dropped row returns as its evidence
+        ages: a decided comparison is re-checked now and then instead of on every 64th step."""
+        z = self.settings.explore_decided_z
+        top = self.model.max_observed_batch()
+        if z <= 0 or not rows or top <= 0:
+            return rows
+        goodput = {o.config: o.goodput() for o in options}
+        trust = {o.config: o.trust() for o in options}
+        cv = self.model.step_time_cv()
+        if cv is None:
+            return rows
+        samples = {c: {(lo, hi): n for lo, hi, n in self.model.region_samples(c, top)} for c in goodput}
+
+        def bound(c: Config, region: tuple[int, int], b0: int, sign: float) -> Optional[float]:
+            n = samples.get(c, {}).get(region, 0.0)
+            if c not in goodput or n < 1.0 or not trust[c][b0]:
+                return None
+            return float(goodput[c][b0]) * (1.0 + sign * z * 1.25 * cv / np.sqrt(n))
+
+        keep = []
+        for r in rows:
+            region = (r.min_batch, r.max_batch if r.max_batch is not None else r.min_batch)
+            decided = True
+            for b in range(r.min_batch, min(region[1], top) + 1):
+                chosen = table.lookup(b)
+                best = bound(r.config, region, b - 1, +1.0)
+                rival = bound(chosen, region, b - 1, -1.0)
+                if chosen == r.config or best is None or rival is None or best >= rival:
+                    decided = False
+                    break
+            if not decided:
+                keep.append(r)
+        return tuple(keep)
 
     def _with_acceptance_probes(self, rows: tuple[Row, ...], table: PolicyTable,
                                 options: list[cmpolicy.Option]) -> tuple[Row, ...]:

@@ -23,6 +23,7 @@ RING = 32  # recent step times kept per (config, batch size) for the robust medi
 PRIOR_REQUESTS = 32.0  # pseudo-requests behind the trend prior of a deeper chain position
 MIN_SETTLED = 3  # steady-state values needed before post-switch ones are ignored
 ACCEPT_CAP_PER_S = 64.0  # requests one second of traffic may weigh in the acceptance estimate
+ACCEPT_VAR_FLOOR = 0.05  # accepted-drafts variance assumed at least (a one-bar histogram has none)
 _REBASE_HALF_LIVES = 256.0  # renormalise decayed weights long before 2**(age/half_life) overflows
 
 
@@ -98,20 +99,53 @@ class _AcceptCell:
     pend: Optional[list] = None  # raw counts of the second being gathered
     pend_second: Optional[int] = None
     pend_wa: float = 0.0  # decay scale of that second
+    # the last folded second, while it disagreed with the history before it: (sign, its counts)
+    flagged: Optional[tuple[int, list]] = None
 
-    def fold(self) -> None:
+    def fold(self, change_z: float = 0.0) -> Optional[float]:
+        """Fold the gathered second into the history. With `change_z` > 0, two folded seconds in
+        a row whose mean accepted drafts sit more than `change_z` standard errors from the
+        history, on the same side, mean the traffic has changed: the history is replaced by
+        those two seconds. Returns the factor the history's weight shrank by then, else None."""
         p = self.pend
         if p is None:
-            return
+            return None
         n = sum(p)
+        shrunk = None
         if n > 0:
             f = self.pend_wa * min(1.0, ACCEPT_CAP_PER_S / n)
+            add = [x * f for x in p]
+            if change_z > 0:
+                sign = self._deviation(p, n, change_z)
+                if sign and self.flagged is not None and self.flagged[0] == sign:
+                    before = sum(self.hist)
+                    self.hist = list(self.flagged[1])
+                    shrunk = sum(self.hist) / before if before > 0 else None
+                    self.flagged = None
+                else:
+                    self.flagged = (sign, add) if sign else None
             h = self.hist
-            for k, x in enumerate(p):
+            for k, x in enumerate(add):
                 if x:
-                    h[k] += x * f
+                    h[k] += x
         self.pend = None
         self.pend_second = None
+        return shrunk
+
+    def _deviation(self, p: list, n: int, z: float) -> int:
+        """+1 / -1 when the counts `p` (n requests) accept more / fewer drafts per request than
+        the history, beyond z standard errors of the difference; else 0. Requests count at most
+        ACCEPT_CAP_PER_S, as when folded."""
+        h = self.hist
+        w = sum(h)
+        if w <= 0 or self.pend_wa <= 0:
+            return 0
+        m0 = sum(k * x for k, x in enumerate(h)) / w
+        var = max(ACCEPT_VAR_FLOOR, sum((k - m0) ** 2 * x for k, x in enumerate(h)) / w)
+        m1 = sum(k * x for k, x in enumerate(p)) / n
+        se = math.sqrt(var * (1.0 / min(n, ACCEPT_CAP_PER_S) + self.pend_wa / w))
+        d = (m1 - m0) / se
+        return 1 if d > z else -1 if d < -z else 0
 
     def current(self) -> list:
         """The histogram with the second being gathered folded in (no mutation)."""
@@ -132,10 +166,11 @@ class CostModel:
     """
 
     def __init__(self, *, half_life_s: float = 600.0, accept_half_life_s: float = 8.0,
-                 warmup_steps: int = 2,
+                 accept_change_z: float = 0.0, warmup_steps: int = 2,
                  min_region_samples: float = 16.0, max_batch: int = 4096):
         self.half_life_s = half_life_s
         self.accept_half_life_s = accept_half_life_s
+        self.accept_change_z = accept_change_z
         self.warmup_steps = warmup_steps
         self.min_region_samples = min_region_samples
         self.max_batch = max_batch
@@ -150,6 +185,7 @@ class CostModel:
         self.last_config_: dict[tuple[str, int], tuple[Config, int]] = {}
         self.num_samples_: int = 0
         self.num_warmup_dropped_: int = 0
+        self.num_accept_changes_: int = 0  # acceptance histories replaced on a detected shift
         self.fitted_: Optional[dict[Config, "_TimeFit"]] = None
 
     def fit(self, samples: Iterable[Sample]) -> "CostModel":
@@ -186,6 +222,8 @@ class CostModel:
         for acc in self.accept_.values():
             acc.hist = [x * fa for x in acc.hist]
             acc.pend_wa *= fa
+            if acc.flagged is not None:
+                acc.flagged = (acc.flagged[0], [x * fa for x in acc.flagged[1]])
             acc.mean_sum *= fa
             acc.mean_weight *= fa
         self.t0_ = ts
@@ -208,7 +246,16 @@ class CostModel:
             if s.accepted is not None:
                 second = int(s.ts)
                 if acc.pend_second != second:
-                    acc.fold()
+                    shrunk = acc.fold(self.accept_change_z)
+                    if shrunk is not None:
+                        self.num_accept_changes_ += 1
+                    if shrunk is not None and c[1] == 1:
+                        # chains pool their acceptance by position: a change seen on one chain
+                        # ages the others' history alike
+                        for k, other in self.accept_.items():
+                            if k != c and k[1] == 1:
+                                other.hist = [x * shrunk for x in other.hist]
+                                other.flagged = None
                     acc.pend = [0] * (steps + 1)
                     acc.pend_second = second
                     acc.pend_wa = wa
@@ -374,6 +421,22 @@ class CostModel:
             out.append((lo, hi, wsum * f))
         return out
 
+    def step_time_cv(self) -> Optional[float]:
+        """Robust coefficient of variation of the step time at a fixed configuration and batch
+        size: the median over (configuration, batch size) cells of 1.4826 * MAD / median of
+        their recent values; None while no cell has MIN_SETTLED values. Pooled because the
+        noise is the engine's (scheduling, clocks), and a configuration that is only explored
+        now and then never gathers enough values of its own."""
+        cvs = []
+        for cell in self.times_.values():
+            values, _ = cell.settled()
+            if len(values) >= MIN_SETTLED:
+                v = np.asarray(values, dtype=float)
+                med = float(np.median(v))
+                if med > 0:
+                    cvs.append(1.4826 * float(np.median(np.abs(v - med))) / med)
+        return float(np.median(cvs)) if cvs else None
+
     def step_samples(self, c: Config) -> float:
         """Decayed step-time samples of c (all batch sizes), as of the newest timestamp."""
         w = sum(cell.weight + cell.warm_weight for (k, _), cell in self.times_.items() if k == tuple(c))
@@ -460,6 +523,7 @@ class CostModel:
         return {
             "samples": self.num_samples_,
             "warmup_dropped": self.num_warmup_dropped_,
+            "accept_changes": self.num_accept_changes_,
             "half_life_s": self.half_life_s,
             "accept_half_life_s": self.accept_half_life_s,
             "fit_error": {k: round(v, 4) for k, v in self.fit_error().items()},

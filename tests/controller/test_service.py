@@ -215,3 +215,25 @@ def test_a_flood_of_distinct_configurations_is_bounded():
     svc.tick()  # no exception: candidates and explore rows are capped
     assert len(svc.candidates()) <= 17
     assert len(svc.policy.explore or []) <= 256
+
+
+@pytest.mark.parametrize("crossover, z, explored", [
+    (8, 3.0, False),  # s3 at batch 40 is 3x worse than plain decode: 4 samples settle it
+    (8, 0.0, True),   # backoff off: explored until min_region_samples
+    (38, 3.0, True),  # a near tie (and s3 chosen lower in the region): keep measuring
+])
+def test_exploration_stops_where_the_evidence_is_decisive(crossover, z, explored):
+    from specctl.training.synth import GroundTruth
+
+    clock = Clock()
+    cands = ((0, 1, 1), (3, 1, 4))
+    svc = ControllerService(ServiceSettings(refit_interval_s=1, candidates=cands, explore_decided_z=z),
+                            clock=clock)
+    off, s3 = truth_with_crossover(crossover).configs
+    feed(svc, clock, GroundTruth((off,)), 6000, list(range(1, 41)))
+    feed(svc, clock, GroundTruth((s3,)), 3000, list(range(1, 8)), seed=1)
+    feed(svc, clock, GroundTruth((s3,)), 4, [40], seed=2)  # a few exploring steps at batch 40
+    clock.t += 1
+    svc.tick()
+    rows = {(r.min_batch, r.max_batch) for r in (svc.policy.explore or []) if r.config.key == (3, 1, 4)}
+    assert ((32, 63) in rows) == explored

@@ -154,3 +154,50 @@ def test_engine_switching_every_step_still_measures_step_time():
     m = CostModel(warmup_steps=2).fit(rows)
     assert m.predict_step_ms(S3, [10])[0] == pytest.approx(10.0, rel=0.01)
     assert m.predict_step_ms(OFF, [10])[0] == pytest.approx(6.2, rel=0.01)
+
+
+def _chain_steps(accept, seconds, t0, batch=8, steps_per_s=100, seed=0, config=S3):
+    """Telemetry of one chain at a fixed batch size with independent per-position acceptance."""
+    rng = np.random.default_rng(seed)
+    a = np.asarray(accept[: config[0]])
+    for i in range(int(seconds * steps_per_s)):
+        ok = rng.random((batch, config[0])) < a
+        acc = np.where(ok.all(axis=1), config[0], np.argmin(ok, axis=1))
+        yield Sample(ts=t0 + i / steps_per_s, config=config, batch_size=batch, step_ms=10.0,
+                     accepted=acc.tolist())
+
+
+def _tau(accept):
+    return 1.0 + float(np.cumprod(accept).sum())
+
+
+@pytest.mark.parametrize("z, within", [(3.0, 0.15), (0.0, None)])
+def test_acceptance_shift_is_followed_within_seconds_when_detected(z, within):
+    easy, hard = (0.9, 0.85, 0.8), (0.45, 0.4, 0.35)
+    m = CostModel(accept_change_z=z)
+    m.fit(list(_chain_steps(easy, 30, 0.0)) + list(_chain_steps(hard, 3.5, 30.0, seed=1)))
+    got = m.tokens_per_step(S3)
+    if within is not None:
+        assert got == pytest.approx(_tau(hard), abs=within)
+        assert m.num_accept_changes_ == 1
+    else:  # an 8 s half-life alone is still far from the new traffic after 3.5 s
+        assert got > _tau(hard) + 0.4
+        assert m.num_accept_changes_ == 0
+
+
+@pytest.mark.parametrize("batch", [1, 8, 64])
+def test_stationary_acceptance_is_never_taken_for_a_shift(batch):
+    accept = (0.7, 0.6, 0.5)
+    m = CostModel(accept_change_z=3.0).fit(_chain_steps(accept, 120, 0.0, batch=batch))
+    assert m.num_accept_changes_ == 0
+    assert m.tokens_per_step(S3) == pytest.approx(_tau(accept), abs=0.15)
+
+
+def test_a_shift_seen_on_one_chain_ages_the_pooled_history_of_the_others():
+    easy, hard = (0.9, 0.85, 0.8, 0.8, 0.8), (0.45, 0.4, 0.35, 0.3, 0.3)
+    m = CostModel(accept_change_z=3.0)
+    # s5 explored on 1 step in 64 for a minute of easy traffic; then only s3 runs, on hard traffic
+    m.fit(list(_chain_steps(easy, 60, 0.0, steps_per_s=100 / 64, config=S5))
+          + list(_chain_steps(easy, 60, 0.0)) + list(_chain_steps(hard, 3.5, 60.0, seed=1)))
+    assert m.num_accept_changes_ >= 1
+    assert m.acceptance_by_position(S3)[0] == pytest.approx(0.45, abs=0.08)
