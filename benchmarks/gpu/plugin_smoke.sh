@@ -26,7 +26,7 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 LIMIT=${LIMIT:-390}; T0=$(date +%s)
 el(){ echo $(( $(date +%s) - T0 )); }
 log(){ echo "[$(el)s] $*" | tee -a "$OUT/smoke.log"; }
-G=benchmarks/gpu; B=$G/bundle; SITE=/tmp/site; SP=/tmp/specctl_site; M=/tmp/m
+G=benchmarks/gpu; B=$G/bundle; SITE=/tmp/site; SP=/tmp/specctl_site; M=/tmp/m-tiny  # never /tmp/m: tiny_models.py writes draft/ there, over the real EAGLE-3 draft
 PORT=30000; URL=http://127.0.0.1:$PORT; TEL=ipc:///tmp/specctl/t.sock
 
 # ---- 1. overlay (benchmarks/gpu/overlay.sh: shared with tp2_check.sh)

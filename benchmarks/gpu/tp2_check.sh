@@ -28,7 +28,7 @@ T0=$(date +%s); DEADLINE=$(( T0 + LIMIT - 90 ))  # no new load level after this;
 # 30 s request timeouts) the driver is killed at DEADLINE + 60, leaving 30 s for stop, compare, pack
 el(){ echo $(( $(date +%s) - T0 )); }
 log(){ echo "[$(el)s] $*" | tee -a "$OUT/tp2.log"; }
-G=benchmarks/gpu; M=${M:-/tmp/m}; RUNDIR=${RUNDIR:-/tmp/specctl}
+G=benchmarks/gpu; M=${M:-/tmp/m-tiny}; RUNDIR=${RUNDIR:-/tmp/specctl}
 PORT=${PORT:-30000}; URL=http://127.0.0.1:$PORT
 TEL=ipc://$RUNDIR/t.sock; POL=ipc://$RUNDIR/p.sock
 SPID=; PPID_=; LPID=

@@ -81,3 +81,38 @@ def test_daemon_start_poll_kill_restart_keeps_the_version(tmp_path):
     assert [e["event"] for e in saved["events"]][:2] == ["start", "ready"]
     assert any(e["event"] == "signal 9" for e in saved["events"])
     assert saved["policies"][0]["version"] == v
+
+
+def test_collect_merges_calls_later_rows_win_and_plots(tmp_path):
+    """collect_results.py --also: rows of a later call replace the same (policy, concurrency); plot_results.py
+    draws the committed kind of file."""
+    import subprocess
+
+    def bench(d, rows, phase):
+        os.makedirs(d, exist_ok=True)
+        json.dump({"gpu": "G", "sglang": "0.5.17", "model": "m", "variant": "vt", "draft": "d", "runs": rows,
+                   "phase_runs": phase, "servers": {}, "identity": {}}, open(os.path.join(d, "bench-g0.json"), "w"))
+
+    row = lambda p, c, v: {"policy": p, "concurrency": c, "output_tokens_per_s": v, "accept_length": None}  # noqa: E731
+    bench(tmp_path / "a", [row("off", 1, 10.0), row("off", 2, 20.0), row("specctl", 1, 5.0)], [{"policy": "off", "output_tokens_per_s": 1.0}])
+    bench(tmp_path / "b", [row("specctl", 1, 12.0), row("specctl", 2, 22.0)], [{"policy": "specctl", "output_tokens_per_s": 2.0}])
+    chk = tmp_path / "tp2.json"
+    chk.write_text(json.dumps({"verdict": {"ok": True}}))
+    root = os.path.join(os.path.dirname(__file__), "..", "..")
+    out = os.path.join(root, "benchmarks", "results", "gpu-TESTDATE-vt.json")
+    prof = os.path.join(root, "benchmarks", "gpu", "profiles", "h200-smollm2-135m-vt.json")
+    try:
+        subprocess.run([sys.executable, os.path.join(root, "benchmarks", "gpu", "collect_results.py"), str(tmp_path / "a"),
+                        "TESTDATE", "--also", str(tmp_path / "b"), "--checks", str(chk)], check=True, capture_output=True)
+        r = json.load(open(out))
+        got = {(x["policy"], x["concurrency"]): x["output_tokens_per_s"] for x in r["runs"]}
+        assert got == {("off", 1): 10.0, ("off", 2): 20.0, ("specctl", 1): 12.0, ("specctl", 2): 22.0}
+        assert sorted(x["policy"] for x in r["phase_runs"]) == ["off", "specctl"] and r["checks"]["tp2"]["verdict"]["ok"]
+        pytest.importorskip("matplotlib")
+        subprocess.run([sys.executable, os.path.join(root, "benchmarks", "gpu", "plot_results.py"), out, "--out",
+                        str(tmp_path / "p")], check=True, capture_output=True)
+        assert (tmp_path / "p.png").stat().st_size > 1000
+    finally:
+        for f in (out, prof):
+            if os.path.exists(f):
+                os.remove(f)
