@@ -189,6 +189,8 @@ def main():
     ap.add_argument("--levels", default="1,2,4,8,16,32,64,128")
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--req-per-level", default="max(3*c,24)", help="python expression in c")
+    ap.add_argument("--repeats", type=int, default=1, help="closed loops per level (same requests); the row is the "
+                                                               "median one, with every repetition's tok/s and the spread")
     ap.add_argument("--phase", action="store_true")
     ap.add_argument("--accept-eval", action="store_true", help="all MT-Bench turn-1 / HumanEval prompts at c=16, per spec policy")
     ap.add_argument("--accept-tokens", type=int, default=320)
@@ -338,12 +340,20 @@ def main():
                     break
                 n_req = int(eval(a.req_per_level, {"max": max, "min": min}, {"c": c}))
                 off = os.path.getsize(sv["log"])
-                outs, wall = asyncio.run(closed_loop(sv["port"], mixed, c, n_req, a.new_tokens))
+                reps = []
+                for _ in range(a.repeats):  # the same request set each time: the spread is the measurement noise
+                    outs, wall = asyncio.run(closed_loop(sv["port"], mixed, c, n_req, a.new_tokens))
+                    reps.append(summarize_requests(outs, wall))
                 time.sleep(0.3)
                 with open(sv["log"]) as f:
                     f.seek(off)
                     lines = f.read()
-                row = {"policy": pol, "concurrency": c, **summarize_requests(outs, wall), "log": parse_decode_lines(lines, c)}
+                med = sorted(reps, key=lambda r: r["output_tokens_per_s"] or 0)[(len(reps) - 1) // 2]
+                row = {"policy": pol, "concurrency": c, **med, "log": parse_decode_lines(lines, c)}
+                if a.repeats > 1:
+                    tps = [r["output_tokens_per_s"] for r in reps]
+                    row["repeats_tok_s"] = tps
+                    row["spread"] = round((max(tps) - min(tps)) / med["output_tokens_per_s"], 4) if med["output_tokens_per_s"] else None
                 result["runs"].append(row)
                 log(f"{pol} c={c}: {row['output_tokens_per_s']} tok/s, tpot med {row['median_tpot_ms']} ms, "
                     f"acc {row['accept_length']}, log step {row['log'].get('step_ms_med')} ms")

@@ -4,7 +4,8 @@
         plugin (online) + `specctl serve`, one server; stages on one timeline:
           learn     closed loop at c = 1, 4, 16, 64 (the daemon sees every region)
           before    12 MT-Bench prompts one at a time (c=1): accept length and output ids per prompt
-          off       c=64 for --off-s seconds (the table says plain decode there)
+          off       c=64 for --off-s seconds, plain decode forced: the daemon is stopped and an override
+                    publishes "steps 0 at every batch size" at its endpoint; the daemon then restarts
           after     the same 12 prompts at c=1: accept length back to `before`? ids identical?
           kill      c=4 closed loop; SIGKILL the daemon after 5 s, restart it (same state dir) 15 s later:
                     no request fails, the plugin falls back after SPECCTL_STALE_AFTER_S and takes the
@@ -216,8 +217,21 @@ def cmd_online(a):
         before = stage("before", alone)
 
         def off_period():
-            outs, wall = asyncio.run(timed_loop(port, mixed, 64, a.off_s, a.new_tokens, offset=100))
-            return summarize_requests(outs, wall)
+            # force plain decode: the daemon stops (state kept), an override publishes "steps 0 everywhere" at its
+            # endpoint for the whole stage, then the daemon comes back on the same state dir
+            ver = d.status()["policy"]["version"]
+            d.stop()
+            ov = SC.Override(rundir, [(1, None, 0)], version=ver + 1000)
+            ov.start()
+            try:
+                outs, wall = asyncio.run(timed_loop(port, mixed, 64, a.off_s, a.new_tokens, offset=100))
+            finally:
+                ov.stop()
+                st_ = d.start()
+            r = summarize_requests(outs, wall)
+            r.update(override_version=ov.version, override_frames=ov.sent, version_after=st_["policy"]["version"])
+            res["override_policy"] = ov.obj()
+            return r
         stage("off", off_period)
         after = stage("after", alone)
         same_ids = sum(1 for k, v in before["per_prompt"].items()
@@ -257,7 +271,10 @@ def cmd_online(a):
     from specctl.policies.fixed import fixed_threshold
     from specctl.policies.table import chain
     dec = SC.read_decisions(os.path.join(a.out, "decisions-rank0.txt"))
-    res["audit"] = SC.audit_decisions(dec, {v: x["policy"] for v, x in d.policies.items()},
+    published = {v: x["policy"] for v, x in d.policies.items()}
+    if res.get("override_policy"):
+        published[res["override_policy"]["version"]] = res["override_policy"]
+    res["audit"] = SC.audit_decisions(dec, published,
                                       fallback=fixed_threshold(5, chain(3)))
     slog = os.path.join(a.out, "server.log")
     res["audit"]["sglang_switch_lines"] = SC.count_switch_lines(open(slog, errors="replace").read())

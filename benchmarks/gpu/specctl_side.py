@@ -165,6 +165,60 @@ class Daemon:
                        "events": self.events}, f, indent=1)
 
 
+class Override:
+    """An operator's stand-in for the daemon: publishes ONE fixed table at the daemon's policy endpoint (the daemon
+    must be stopped), re-sent every period as a heartbeat. specctl_e2e.py uses it to force a long plain-decode period
+    whatever the cost model would choose."""
+
+    def __init__(self, rundir: str, rows: list, version: int):
+        self.endpoint = f"ipc://{rundir}/policy.sock"
+        self.rows, self.version = rows, version
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+        self.sent = 0
+
+    def obj(self) -> dict:
+        def cfg(s: int) -> dict:
+            return {"steps": s, "topk": 1, "draft_tokens": s + 1 if s else 1}
+        table = [dict({"min_batch": lo, "config": cfg(st_)}, **({"max_batch": hi} if hi else {})) for lo, hi, st_ in self.rows]
+        return {"kind": "policy", "schema": 1, "version": self.version, "created_at": time.time(), "source": "fixed",
+                "table": table}
+
+    def frame(self) -> bytes:
+        from specctl.controller import wire
+        return wire.encode(wire.policy_from_obj(self.obj()))
+
+    def start(self, period_s: float = 0.5) -> None:
+        import zmq
+
+        from specctl.controller import transport
+
+        frame = self.frame()  # one frame: every re-send is a heartbeat of the same version
+        ready = threading.Event()
+
+        def run() -> None:
+            ctx = zmq.Context()
+            pub = transport.policy_pub(ctx, self.endpoint)
+            ready.set()
+            try:
+                while not self._stop.is_set():
+                    pub.send(frame)
+                    self.sent += 1
+                    self._stop.wait(period_s)
+            finally:
+                pub.close(linger=0)
+                ctx.term()
+
+        self._thread = threading.Thread(target=run, daemon=True)
+        self._thread.start()
+        ready.wait(10)
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+
+
 # ---------------------------------------------------------------- audit (pure; tested on CPU)
 
 def read_decisions(path: str) -> list[tuple[int, int, int, Optional[int]]]:

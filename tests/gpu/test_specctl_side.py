@@ -116,3 +116,39 @@ def test_collect_merges_calls_later_rows_win_and_plots(tmp_path):
         for f in (out, prof):
             if os.path.exists(f):
                 os.remove(f)
+
+
+def test_override_publishes_one_fixed_table_at_the_daemon_endpoint(tmp_path):
+    """The forced plain-decode stage of specctl_e2e.py: a real SUB (the plugin's PolicyReceiver) gets the override
+    frame, which the plugin's engine applies like any policy."""
+    import time
+
+    import zmq
+
+    from specctl.controller import transport, wire
+    from specctl.plugin.engine import EngineController, PluginSettings
+
+    rundir = tmp_path / "run"
+    rundir.mkdir(mode=0o700)
+    ov = SC.Override(str(rundir), [(1, None, 0)], version=1041)
+    ov.start(period_s=0.05)
+    ctx = zmq.Context()
+    try:
+        rx = transport.PolicyReceiver(ctx, ov.endpoint)
+        frame = None
+        t0 = time.time()
+        while frame is None and time.time() - t0 < 5:
+            frame = rx.poll()
+            time.sleep(0.02)
+        assert frame is not None
+        rec = wire.decode_policy(frame)
+        assert rec.version == 1041 and [r.config.steps for r in rec.table] == [0]
+        eng = EngineController(PluginSettings(policy_endpoint=ov.endpoint, sync_every=1), candidate_steps=(0, 1, 3))
+        eng.offer_policy_frame(frame)
+        eng.sync()
+        assert (eng.active_version, [eng.decide(b) for b in (1, 4, 64)]) == (1041, [0, 0, 0])
+        rx.close()
+    finally:
+        ov.stop()
+        ctx.term()
+    assert ov.sent >= 1
