@@ -152,3 +152,17 @@ def test_override_publishes_one_fixed_table_at_the_daemon_endpoint(tmp_path):
         ov.stop()
         ctx.term()
     assert ov.sent >= 1
+
+
+def test_replay_versions_on_the_committed_gpu_telemetry():
+    """benchmarks/gpu/replay_versions.py replays real H200 telemetry (session 2) through the ControllerService."""
+    import subprocess
+
+    root = os.path.join(os.path.dirname(__file__), "..", "..")
+    arch = os.path.join(root, "benchmarks", "gpu", "logs", "2026-11-30", "call6-sweep-online-overhead", "g0.tar.xz")
+    r = subprocess.run([sys.executable, os.path.join(root, "benchmarks", "gpu", "replay_versions.py"), arch,
+                        "specctl-specctl/telemetry"], check=True, capture_output=True, text=True, timeout=300)
+    first = r.stdout.splitlines()[0]
+    assert first.startswith("7239 frames;"), first
+    n_versions = int(first.split(";")[1].split()[0])
+    assert n_versions > 1
