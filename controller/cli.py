@@ -85,6 +85,12 @@ def main(log_level: str) -> None:
               help="Seconds after which a step-time measurement counts half.")
 @click.option("--accept-half-life", default=8.0, show_default=True, type=click.FloatRange(min=1.0),
               help="Seconds after which an acceptance measurement counts half.")
+@click.option("--accept-change-z", default=3.0, show_default=True, type=click.FloatRange(min=0.0),
+              help="Two seconds in a row this many standard errors off the acceptance history replace "
+                   "it (a traffic shift); 0 = follow shifts at the --accept-half-life pace only.")
+@click.option("--explore-decided-z", default=3.0, show_default=True, type=click.FloatRange(min=0.0),
+              help="Stop exploring a configuration in a batch region once its measured step time puts it "
+                   "this many standard errors from winning there; 0 = explore until the region has data.")
 @click.option("--mode", type=click.Choice(["online", "fixed"]), default="online", show_default=True)
 @click.option("--threshold", default=5, show_default=True, type=click.IntRange(min=1),
               help="Fixed mode and fallback: plain decode from this batch size up.")
@@ -110,7 +116,7 @@ def main(log_level: str) -> None:
               help="When telemetry arrives faster than it can be fitted, fit every other record "
                    "(counted as shed) instead of back-pressuring the senders.")
 def serve(telemetry, publish, status_ep, state_dir, refit_interval, heartbeat, half_life,
-          accept_half_life, mode,
+          accept_half_life, accept_change_z, explore_decided_z, mode,
           threshold, fixed_config, configs, explore_period, metrics_port, metrics_host, init_policy,
           record, record_max_mb, curve_secret_key, curve_allowed_dir, insecure,
           shed_when_behind) -> None:
@@ -128,6 +134,7 @@ def serve(telemetry, publish, status_ep, state_dir, refit_interval, heartbeat, h
         svc_settings = ServiceSettings(mode=mode, threshold=threshold, fixed_config=fixed_config,
                                        refit_interval_s=refit_interval, heartbeat_s=heartbeat,
                                        half_life_s=half_life, accept_half_life_s=accept_half_life,
+                                       accept_change_z=accept_change_z, explore_decided_z=explore_decided_z,
                                        candidates=configs,
                                        explore_period=explore_period)
     except ValueError as e:

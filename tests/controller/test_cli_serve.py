@@ -1,0 +1,23 @@
+"""`specctl serve` flags reach the ControllerService (the daemon loop itself is tested in test_daemon.py)."""
+from click.testing import CliRunner
+
+from specctl.controller import cli, daemon
+
+
+def test_serve_passes_the_model_settings(tmp_path, monkeypatch):
+    got = {}
+
+    def fake_serve_forever(d):
+        got["settings"] = d.service.settings
+        d.close()
+
+    monkeypatch.setattr(daemon, "serve_forever", fake_serve_forever)
+    run = tmp_path / "run"
+    res = CliRunner().invoke(cli.main, ["serve", "--state-dir", str(tmp_path / "state"), "--accept-change-z", "0",
+                                        "--explore-decided-z", "2.5", "--accept-half-life", "4"],
+                             env={"SPECCTL_RUNDIR": str(run)})
+    assert res.exit_code == 0, res.output
+    s = got["settings"]
+    assert (s.accept_change_z, s.explore_decided_z, s.accept_half_life_s) == (0.0, 2.5, 4.0)
+    res = CliRunner().invoke(cli.main, ["serve", "--accept-change-z", "-1"], env={"SPECCTL_RUNDIR": str(run)})
+    assert res.exit_code != 0 and "accept-change-z" in res.output
