@@ -33,21 +33,10 @@ def expected_steps(bs: int) -> int:
 
 
 def cmd_site(repo: str, dest: str) -> None:
-    repo = os.path.abspath(repo)
-    pkg = os.path.join(dest, "specctl")
-    os.makedirs(pkg, exist_ok=True)
-    for sub in ("policies", "controller", "training", "plugin"):
-        link = os.path.join(pkg, sub)
-        if os.path.islink(link):
-            os.remove(link)
-        os.symlink(os.path.join(repo, sub), link)
-    di = os.path.join(dest, "specctl-0.1.0.dist-info")
-    os.makedirs(di, exist_ok=True)
-    with open(os.path.join(di, "METADATA"), "w") as f:
-        f.write("Metadata-Version: 2.1\nName: specctl\nVersion: 0.1.0\n")
-    with open(os.path.join(di, "entry_points.txt"), "w") as f:
-        f.write("[sglang.srt.plugins]\nspecctl = specctl.plugin:register\n\n"
-                "[console_scripts]\nspecctl = specctl.controller.cli:main\n")
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import specctl_side  # one site builder for the smoke test, the TP=2 check and the runner
+
+    specctl_side.make_site(dest, repo)
     print(f"specctl site at {dest}")
 
 
