@@ -40,7 +40,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import prompts as P  # noqa: E402
 import run_bench as RB  # noqa: E402
 import specctl_side as SC  # noqa: E402
-from benchlib import eagle_args, summarize_requests  # noqa: E402
+from benchlib import eagle_args, identity_report, summarize_requests  # noqa: E402
 
 T0 = time.time()
 FILE_TABLE = [(1, 2, 3), (3, 8, 1), (9, None, 0)]  # identity: every candidate used while the batch shrinks
@@ -339,18 +339,8 @@ def cmd_identity(a):
             if outs["off"] is not None and outs["specctl"] is not None:
                 ref = {o["pid"]: o.get("ids") for o in outs["off"] if "error" not in o}
                 got = {o["pid"]: o.get("ids") for o in outs["specctl"] if "error" not in o}
-                first = {}
-                for pid, ids in got.items():
-                    rr = ref.get(pid)
-                    if rr is None or ids is None:
-                        continue
-                    kk = next((i for i, (x, y) in enumerate(zip(ids, rr)) if x != y), None)
-                    if kk is None and len(ids) != len(rr):
-                        kk = min(len(ids), len(rr))
-                    first[pid] = kk
-                r.update(identical=sum(1 for v in first.values() if v is None), of=len(first),
-                         tokens_compared=sum(len(ref[p]) for p in first),
-                         first_divergence={p: v for p, v in first.items() if v is not None},
+                r.update(identity_report({"off": ref, "specctl": got})["specctl"],
+                         tokens_compared=sum(len(ref[p]) for p in got if p in ref and ref[p] is not None),
                          errors=sum(1 for o in outs["off"] + outs["specctl"] if "error" in o))
                 dl = os.path.join(a.out, f"decisions-{dt}-rank0.txt")
                 if os.path.exists(dl):
