@@ -5,7 +5,6 @@ Fixtures under tests/fixtures/logs/ are built with SGLang's own format strings
 """
 
 import gzip
-import importlib.util
 import json
 import sys
 from pathlib import Path
@@ -24,19 +23,13 @@ from specctl.training.readers import (
 )
 
 FIX = Path(__file__).resolve().parents[1] / "fixtures" / "logs"
+sys.path.insert(0, str(FIX))  # the fixture generators are plain modules beside the logs
+import sglang_gen  # noqa: E402
+import sglang_real  # noqa: E402
 TRUTH = json.loads((FIX / "truth.json").read_text())
 OFF, S1, S3 = (0, 1, 1), (1, 1, 2), (3, 1, 4)
 NAMES = {OFF: "off", S1: "s1", S3: "s3"}
 
-
-def _gen():
-    if "sglang_gen" in sys.modules:
-        return sys.modules["sglang_gen"]
-    spec = importlib.util.spec_from_file_location("sglang_gen", FIX / "sglang_gen.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["sglang_gen"] = mod
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def true_ms(config, b):
@@ -132,7 +125,7 @@ def test_0523_adaptive_log_drops_mixed_intervals_and_survives_damage():
 
 
 def test_without_dropping_switch_intervals_the_accept_length_would_be_biased(tmp_path):
-    g = _gen()
+    g = sglang_gen
     from specctl.training import synth
     tr = synth.GroundTruth((synth.ConfigTruth(OFF, 6.0, 0.02), synth.ConfigTruth(S3, 7.6, 0.3, (0.9, 0.9, 0.9))))
     lines = g.simulate_log(tr, adaptive=True, levels=(8,), steps_per_level=3000, dwell=(10, 30), seed=5)
@@ -161,7 +154,7 @@ PREFIXES = [
 @pytest.mark.parametrize("prefix", PREFIXES)
 @pytest.mark.parametrize("variant", ["plain", "iter", "suffix", "hybrid", "cpu"])
 def test_decode_line_variants_parse(tmp_path, prefix, variant):
-    g = _gen()
+    g = sglang_gen
     def dec(n, thr):
         m = g.decode_msg(n, 1234, 0.12, (2.5, 0.5), thr, it=77 if variant == "iter" else None,
                          graph=True)
@@ -188,14 +181,14 @@ def test_decode_line_variants_parse(tmp_path, prefix, variant):
 @pytest.mark.parametrize("config, adaptive", [(OFF, False), (S1, False), (S3, False), (S3, True),
                                               ((2, 4, 8), False)])
 def test_server_args_lines_of_both_versions(version, config, adaptive):
-    msg = _gen().server_args_msg(version, config, adaptive=adaptive, decode_log_interval=25)
+    msg = sglang_gen.server_args_msg(version, config, adaptive=adaptive, decode_log_interval=25)
     a = parse_server_args(msg)
     assert a.config == config and a.adaptive == adaptive and a.decode_log_interval == 25
     assert (a.algorithm == "EAGLE3") == (config != OFF)
 
 
 def test_switch_lines_set_the_configuration_without_server_args(tmp_path):
-    g = _gen()
+    g = sglang_gen
     p = "[2026-11-29 12:00:00 TP0]"
     lines = [f"{p} {g.decode_msg(4, 10, 0.1, (1.0, 0.0), 500.0)}",
              f"{p} {g.updated_msg(0, 3, 1.0)}",
@@ -213,7 +206,7 @@ def test_switch_lines_set_the_configuration_without_server_args(tmp_path):
 
 
 def test_configuration_inferred_from_accept_len_and_rate(tmp_path):
-    g = _gen()
+    g = sglang_gen
     p = "[2026-11-29 12:00:00]"
     lines = [f"{p} {g.decode_msg(4, 10, 0.1, (1.0, 0.0), 400.0)}",  # says nothing: skipped
              f"{p} {g.decode_msg(4, 10, 0.1, (1.0, 0.0), 400.0)}",
@@ -233,7 +226,7 @@ def test_configuration_inferred_from_accept_len_and_rate(tmp_path):
 
 
 def test_a_missed_switch_is_caught_by_the_accept_rate(tmp_path):
-    g = _gen()
+    g = sglang_gen
     args = g.server_args_msg("0.5.17", S3)
     p = "[2026-11-29 12:00:00]"
     lines = [f"{p} {args}",
@@ -246,7 +239,7 @@ def test_a_missed_switch_is_caught_by_the_accept_rate(tmp_path):
 
 
 def test_idle_start_and_batch_changes_are_dropped(tmp_path):
-    g = _gen()
+    g = sglang_gen
     p = "[2026-11-29 12:00:00]"
     d = lambda n, thr: f"{p} {g.decode_msg(n, 10, 0.1, None, thr)}"
     lines = [f"{p} {g.server_args_msg('0.5.23', None)}",
@@ -264,7 +257,7 @@ def test_idle_start_and_batch_changes_are_dropped(tmp_path):
 
 
 def test_prefill_time_inside_intervals_is_estimated_and_removed(tmp_path):
-    g = _gen()
+    g = sglang_gen
     from specctl.training import synth
     tr = synth.GroundTruth((synth.ConfigTruth(OFF, 6.0, 0.02),))
     lines = g.simulate_log(tr, static=OFF, levels=(16, 64), steps_per_level=3000, prefill_ms=5.0,
@@ -316,7 +309,7 @@ def test_bench_serving_runs_become_samples_and_measured_points():
 
 
 def test_bench_serving_pd_server_info_and_missing_accept_length(tmp_path):
-    g = _gen()
+    g = sglang_gen
     r = g.bench_result("0.5.17", S3, 8, step_ms=10.0, tau=2.5)
     r["server_info"] = {"decode": [r["server_info"]], "prefill": [{}]}
     r2 = g.bench_result("0.5.17", S3, 16, step_ms=12.0, tau=2.5)
@@ -330,7 +323,7 @@ def test_bench_serving_pd_server_info_and_missing_accept_length(tmp_path):
 
 
 def test_bench_serving_batch_capped_by_max_running_requests(tmp_path):
-    g = _gen()
+    g = sglang_gen
     r = g.bench_result("0.5.23", S3, 128, step_ms=20.0, tau=2.5)
     r["server_info"]["max_running_requests"] = 48  # SGLang's default with speculation
     p = tmp_path / "b.jsonl"
@@ -386,26 +379,17 @@ def test_a_huge_garbage_line_is_skipped_not_loaded(tmp_path, monkeypatch):
 # ------------------------------------------------------------------------- SGLang's own code
 
 
-def _real():
-    if "sglang_real" in sys.modules:
-        return sys.modules["sglang_real"]
-    spec = importlib.util.spec_from_file_location("sglang_real", FIX / "sglang_real.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["sglang_real"] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
 
 @pytest.mark.parametrize("version", ["0.5.17", "0.5.23"])
 def test_lines_from_sglangs_own_reporter_code(tmp_path, version):
     """report_decode_stats / report_prefill_stats and the switch f-strings, lifted from the wheel
     (scripts/setup_sglang_cpu.sh's venvs) and run on stand-ins: what the reader gets back is the
     scripted step time, with the interval that switched configuration dropped."""
-    real = _real()
+    real = sglang_real
     src = real.find_sources(version)
     if src is None:
         pytest.skip(f"no sglang {version} sources (run scripts/setup_sglang_cpu.sh)")
-    g = _gen()
+    g = sglang_gen
     rep_ = real.Reporter(src, spec_steps=3, draft_tokens=4, interval=10)
     pre = "[2026-11-29 12:00:00 TP0]"
     out = [f"[2026-11-29 11:59:00] {g.server_args_msg(version, S3, adaptive=True, decode_log_interval=10)}"]
@@ -435,11 +419,11 @@ def test_lines_from_sglangs_own_reporter_code(tmp_path, version):
 
 @pytest.mark.parametrize("version", ["0.5.17", "0.5.23"])
 def test_the_fixture_generator_writes_what_sglang_writes(version):
-    real = _real()
+    real = sglang_real
     src = real.find_sources(version)
     if src is None:
         pytest.skip(f"no sglang {version} sources (run scripts/setup_sglang_cpu.sh)")
-    g = _gen()
+    g = sglang_gen
     r = real.Reporter(src, spec_steps=3, draft_tokens=4, interval=5)
     got = r.decode_steps(6, [4, 5, 6, 7, 8], 9.0, tokens_in_use=4321, usage=0.37)
     thr = (5 * 6 + 30) / 0.045

@@ -2,7 +2,6 @@
 simulator through the recorder, SGLang decode logs, bench_serving sweeps), refusals, the CLI."""
 
 import gzip
-import importlib.util
 import json
 import sys
 from pathlib import Path
@@ -20,17 +19,10 @@ from specctl.training import synth
 from specctl.training.train import report_markdown, train
 
 FIX = Path(__file__).resolve().parents[1] / "fixtures" / "logs"
+sys.path.insert(0, str(FIX))  # the fixture generators are plain modules beside the logs
+import sglang_gen  # noqa: E402
 OFF, S1, S3 = (0, 1, 1), (1, 1, 2), (3, 1, 4)
 
-
-def _gen():
-    if "sglang_gen" in sys.modules:
-        return sys.modules["sglang_gen"]
-    spec = importlib.util.spec_from_file_location("sglang_gen", FIX / "sglang_gen.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["sglang_gen"] = mod
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def write_jsonl_gz(path, records):
@@ -117,7 +109,7 @@ def test_crossover_from_simulator_recordings_within_10_percent(tmp_path, profile
 @pytest.mark.parametrize("crossover", [12, 40, 90])
 @pytest.mark.parametrize("kind", ["sweep-0.5.17", "adaptive-0.5.23"])
 def test_crossover_from_sglang_decode_logs_within_25_percent(tmp_path, crossover, kind):
-    g = _gen()
+    g = sglang_gen
     truth = synth.truth_with_crossover(crossover)
     levels = (1, 2, 4, 8, 16, 32, 64, 128, 256)
     if kind.startswith("sweep"):
@@ -174,7 +166,7 @@ def test_bench_sweep_picks_the_best_measured_configuration_at_each_concurrency()
 
 @pytest.mark.parametrize("seed", range(5))
 def test_bench_measured_best_wins_even_against_the_fit(tmp_path, seed):
-    g = _gen()
+    g = sglang_gen
     rng = np.random.default_rng(seed)
     truth = synth.truth_with_crossover(24, steps=3)
     s1 = synth.ConfigTruth(S1, 7.0, 0.1, (0.8,))
@@ -241,7 +233,7 @@ def test_refuses_when_the_crossover_region_was_not_measured(tmp_path):
 
 def test_mixed_inputs_combine(tmp_path):
     """Speculative steps from a telemetry recording, plain decode from a server log."""
-    g = _gen()
+    g = sglang_gen
     truth = synth.truth_with_crossover(30)
     spec = [r for r in synth.generate(truth, num_steps=8000, seed=4, batch_sizes=[1, 4, 8, 16, 32, 64, 128])
             if r["config"]["steps"] > 0]
