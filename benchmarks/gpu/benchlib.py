@@ -54,6 +54,21 @@ def policy_launch_args(pol, draft, specctl_max_steps=3):
     raise AssertionError(p)
 
 
+def server_args(maxc, mem_fraction, *, max_total_tokens=0, prefill_graph=False):
+    """The SGLang flags every testbed server shares (run_bench.py, specctl_e2e.py), so that their figures compare.
+    max_total_tokens caps the KV pool (servers started together on one GPU then all fit); without prefill_graph
+    the prefill CUDA graphs are not captured (~50 s less start-up per server; decode graphs stay)."""
+    args = ["--attention-backend", "triton", "--sampling-backend", "pytorch", "--grammar-backend", "none",
+            "--mm-feature-transport", "cpu", "--decode-log-interval", "10", "--max-running-requests", str(maxc),
+            "--cuda-graph-max-bs-decode", str(maxc), "--mem-fraction-static", str(mem_fraction),
+            "--chunked-prefill-size", "8192", "--sleep-on-idle", "--host", "127.0.0.1"]
+    if max_total_tokens:
+        args += ["--max-total-tokens", str(max_total_tokens)]
+    if not prefill_graph:
+        args.append("--disable-prefill-cuda-graph")
+    return args
+
+
 def parse_decode_lines(text, n=None):
     """Step times from SGLang 'Decode batch' lines: 1000 * #running-req * accept_len / gen_throughput (ms).
     The first line of a window spans an idle gap or prefill and is dropped; with n, only lines at exactly

@@ -181,3 +181,18 @@ def chat_ids(tok, text):
     if e and isinstance(e[0], list):
         e = e[0]
     return list(e)
+
+
+def load_benchmark_sets(tokenizer_dir, prompts_dir):
+    """MT-Bench turn 1 and HumanEval from PROMPTS_DIR, each item with its chat-template token ids ("ids") under
+    the tokenizer of TOKENIZER_DIR (transformers, imported here: the rest of this module is stdlib)."""
+    import os
+
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    mtb = load_mtbench(os.path.join(prompts_dir, "mtbench_question.jsonl"))
+    he = load_humaneval(os.path.join(prompts_dir, "HumanEval.jsonl.gz"))
+    for x in mtb + he:
+        x["ids"] = chat_ids(tok, x["text"])
+    return mtb, he

@@ -43,7 +43,8 @@ import urllib.request
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import prompts as P  # noqa: E402
-from benchlib import identity_report, parse_decode_lines, parse_policy, policy_launch_args, profile_from_runs, summarize_requests  # noqa: E402
+from benchlib import (identity_report, parse_decode_lines, parse_policy, policy_launch_args, profile_from_runs,  # noqa: E402
+                      server_args, summarize_requests)
 import specctl_side as SC  # noqa: E402
 
 PHASES = [  # duration_s, concurrency, mix
@@ -213,32 +214,14 @@ def main():
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
     deadline = T0 + a.deadline_s
-    from transformers import AutoTokenizer
-    tok = AutoTokenizer.from_pretrained(a.model)
-
-    def chat_ids(text):
-        e = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True)
-        e = e["input_ids"] if hasattr(e, "keys") else e
-        return list(e)
-
-    mtb = P.load_mtbench(os.path.join(a.prompts, "mtbench_question.jsonl"))
-    he = P.load_humaneval(os.path.join(a.prompts, "HumanEval.jsonl.gz"))
-    for x in mtb + he:
-        x["ids"] = chat_ids(x["text"])
+    mtb, he = P.load_benchmark_sets(a.model, a.prompts)
     mixed = [x for pair in zip(mtb, he) for x in pair] + he[len(mtb):]
     pools = {"chat": mtb, "code": he}
     levels = [int(x) for x in a.levels.split(",") if x]
     policies = [p for p in a.policies.split(",") if p]
     maxc = max(levels + [max(ph["concurrency"] for ph in PHASES) if a.phase else 1])
     memf = a.mem_fraction or round(0.8 / max(1, min(a.parallel, len(policies))), 3)
-    common = ["--attention-backend", "triton", "--sampling-backend", "pytorch", "--grammar-backend", "none",
-              "--mm-feature-transport", "cpu", "--decode-log-interval", "10", "--max-running-requests", str(maxc),
-              "--cuda-graph-max-bs-decode", str(maxc), "--mem-fraction-static", str(memf),
-              "--chunked-prefill-size", "8192", "--sleep-on-idle", "--host", "127.0.0.1"]
-    if a.max_total_tokens:
-        common += ["--max-total-tokens", str(a.max_total_tokens)]
-    if not a.prefill_graph:
-        common.append("--disable-prefill-cuda-graph")  # ~50 s less start-up per server; decode graphs stay
+    common = server_args(maxc, memf, max_total_tokens=a.max_total_tokens, prefill_graph=a.prefill_graph)
     plugin_pols = [p for p in policies if parse_policy(p)["kind"] in ("specctl", "plugin-fixed")]
     site = SC.make_site(a.specctl_site) if plugin_pols else None
     result = {"gpu": None, "sglang": "0.5.17", "model": "SmolLM2-135M-Instruct" + ("" if a.variant == "base" else f" zero-padded ({a.variant})"),

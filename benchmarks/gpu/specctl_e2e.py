@@ -40,7 +40,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import prompts as P  # noqa: E402
 import run_bench as RB  # noqa: E402
 import specctl_side as SC  # noqa: E402
-from benchlib import eagle_args, identity_report, summarize_requests  # noqa: E402
+from benchlib import eagle_args, identity_report, server_args, summarize_requests  # noqa: E402
 
 T0 = time.time()
 FILE_TABLE = [(1, 2, 3), (3, 8, 1), (9, None, 0)]  # identity: every candidate used while the batch shrinks
@@ -54,10 +54,7 @@ MAX_TOTAL_TOKENS = 80000  # per server KV cap, so that servers started together 
 
 
 def common_args(maxc, memf):
-    return ["--max-total-tokens", str(MAX_TOTAL_TOKENS), "--attention-backend", "triton", "--sampling-backend", "pytorch", "--grammar-backend", "none",
-            "--mm-feature-transport", "cpu", "--decode-log-interval", "10", "--max-running-requests", str(maxc),
-            "--cuda-graph-max-bs-decode", str(maxc), "--mem-fraction-static", str(memf), "--chunked-prefill-size",
-            "8192", "--sleep-on-idle", "--host", "127.0.0.1", "--disable-prefill-cuda-graph"]
+    return server_args(maxc, memf, max_total_tokens=MAX_TOTAL_TOKENS)
 
 
 def launch(model, port, args, env, logpath):
@@ -77,16 +74,6 @@ def wait_ready(sv, limit):
             pass
         time.sleep(1)
     return False
-
-
-def load_prompts(model, prompts_dir):
-    from transformers import AutoTokenizer
-    tok = AutoTokenizer.from_pretrained(model)
-    mtb = P.load_mtbench(os.path.join(prompts_dir, "mtbench_question.jsonl"))
-    he = P.load_humaneval(os.path.join(prompts_dir, "HumanEval.jsonl.gz"))
-    for x in mtb + he:
-        x["ids"] = P.chat_ids(tok, x["text"])
-    return mtb, he
 
 
 async def timed_loop(port, items, conc, duration_s, new, offset=0):
@@ -165,7 +152,7 @@ def telemetry_by_window(tel_dir, windows):
 def cmd_online(a):
     os.makedirs(a.out, exist_ok=True)
     site = SC.make_site(a.site)
-    mtb, he = load_prompts(a.model, a.prompts)
+    mtb, he = P.load_benchmark_sets(a.model, a.prompts)
     mixed = [x for pair in zip(mtb, he) for x in pair]
     rundir, state = "/tmp/specctl-e2e-run", "/tmp/specctl-e2e-state"
     shutil.rmtree(state, ignore_errors=True)  # learn from scratch (the kill stage restarts on this dir)
@@ -303,7 +290,7 @@ def file_policy(path):
 def cmd_identity(a):
     os.makedirs(a.out, exist_ok=True)
     site = SC.make_site(a.site)
-    mtb, he = load_prompts(a.model, a.prompts)
+    mtb, he = P.load_benchmark_sets(a.model, a.prompts)
     items = [x for pair in zip(mtb, he) for x in pair][:a.n_prompts]
     pol = os.path.join(a.out, "identity-policy.json")
     file_policy(pol)
@@ -374,7 +361,7 @@ async def all_at_once(port, items, min_tokens, step_tokens):
 def cmd_overhead(a):
     os.makedirs(a.out, exist_ok=True)
     site = SC.make_site(a.site)
-    mtb, he = load_prompts(a.model, a.prompts)
+    mtb, he = P.load_benchmark_sets(a.model, a.prompts)
     mixed = [x for pair in zip(mtb, he) for x in pair]
     cfg = os.path.join(a.out, "adaptive-threshold.json")
     json.dump({"1": {"candidate_steps": [3]}, "5": {"candidate_steps": [0]}}, open(cfg, "w"))

@@ -168,3 +168,12 @@ def test_walk_tau_follows_engine_chain_starts():
     assert T.walk_tau(acc, valid, torch.tensor([1]), 3) == pytest.approx(1.6)
     # capped at s=1: starts 0,1,2(a=1),4,5(a=1),7 -> (1+1+2+1+2+1)/6
     assert T.walk_tau(acc, valid, torch.tensor([1]), 1) == pytest.approx(8 / 6)
+
+
+def test_server_args_shared_by_the_runner_and_the_checks():
+    a = B.server_args(64, 0.85, max_total_tokens=80000)
+    assert a[a.index("--max-running-requests") + 1] == "64" and a[a.index("--cuda-graph-max-bs-decode") + 1] == "64"
+    assert a[a.index("--mem-fraction-static") + 1] == "0.85" and a[a.index("--max-total-tokens") + 1] == "80000"
+    assert "--disable-prefill-cuda-graph" in a
+    b = B.server_args(8, 0.2, prefill_graph=True)
+    assert "--max-total-tokens" not in b and "--disable-prefill-cuda-graph" not in b
