@@ -91,11 +91,11 @@ PROMPTS = ["def fibonacci(n):", "import os\nimport sys\n", "class Config:\n    d
            "return self._cache[key]", "raise ValueError("]
 
 
-def cmd_drive(url: str, out: str, wait_s: float = 240, levels: str = "1,2,8,1", pid: int = 0,
-              max_new: int = 64, rounds: int = 3) -> dict:
-    res: dict = {"ready": False}
+def wait_healthy(url: str, until: float, pid: int, res: dict) -> dict:
+    """Poll URL/health once a second until it answers 200 or the epoch time `until`, or until process `pid` is
+    gone: sets res["ready"], res["server_died"] (when so) and res["start_s"]."""
     t0 = time.time()
-    while time.time() - t0 < wait_s:
+    while time.time() < until:
         if pid and not os.path.exists(f"/proc/{pid}"):
             res["server_died"] = True
             break
@@ -108,6 +108,13 @@ def cmd_drive(url: str, out: str, wait_s: float = 240, levels: str = "1,2,8,1", 
         time.sleep(1)
     res["start_s"] = round(time.time() - t0, 1)
     print(f"ready={res['ready']} after {res['start_s']} s", flush=True)
+    return res
+
+
+def cmd_drive(url: str, out: str, wait_s: float = 240, levels: str = "1,2,8,1", pid: int = 0,
+              max_new: int = 64, rounds: int = 3) -> dict:
+    res: dict = {"ready": False}
+    wait_healthy(url, time.time() + wait_s, pid, res)
     if res["ready"]:
         sp = {"temperature": 0, "max_new_tokens": max_new, "ignore_eos": True}
         try:

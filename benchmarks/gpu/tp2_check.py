@@ -393,21 +393,8 @@ def cmd_drive(url: str, out: str, decision_log: str, deadline: float, target: in
     deadline (epoch seconds). Never waits past deadline + req_timeout + a few seconds."""
     res: dict = {"ready": False, "requests": 0, "ok": 0, "errors": 0, "timeouts": 0, "levels": [],
                  "error_examples": [], "target": target}
-    t0 = time.time()
     ready_by = deadline if ready_by is None else min(ready_by, deadline)
-    while time.time() < ready_by:
-        if pid and not os.path.exists(f"/proc/{pid}"):
-            res["server_died"] = True
-            break
-        try:
-            if PS._get(url + "/health", 2)[0] == 200:
-                res["ready"] = True
-                break
-        except Exception:  # noqa: BLE001
-            pass
-        time.sleep(1)
-    res["start_s"] = round(time.time() - t0, 1)
-    print(f"ready={res['ready']} after {res['start_s']} s", flush=True)
+    PS.wait_healthy(url, ready_by, pid, res)
     if not res["ready"]:
         res["stopped_because"] = "server died" if res.get("server_died") else "not ready"
         _write(out, res)
