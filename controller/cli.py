@@ -269,12 +269,7 @@ def keys() -> None:
 @click.option("--name", default="server", show_default=True, help="Certificate base name.")
 def keys_generate(directory: str, name: str) -> None:
     """Write NAME.key (public) and NAME.key_secret (0600) into DIRECTORY."""
-    import zmq.auth
-
-    d = Path(directory)
-    d.mkdir(parents=True, exist_ok=True, mode=0o700)
-    pub, sec = zmq.auth.create_certificates(str(d), name)
-    os.chmod(sec, 0o600)
+    pub, sec = transport.create_certificates(directory, name)
     click.echo(f"public: {pub}\nsecret: {sec}")
 
 

@@ -506,14 +506,11 @@ def generate_certs(directory: str | os.PathLike[str]) -> dict[str, Path]:
     writes them; the allowed directory holds only the engine's public certificate."""
     import shutil
 
-    import zmq.auth
-
     d = Path(directory)
-    (d / "keys").mkdir(parents=True, exist_ok=True, mode=0o700)
     (d / "allowed").mkdir(parents=True, exist_ok=True, mode=0o700)
     out = {}
     for name in ("server", "engine", "rogue"):
-        pub, sec = zmq.auth.create_certificates(str(d / "keys"), name)
+        pub, sec = transport.create_certificates(d / "keys", name)
         out[name] = Path(sec)
         out[name + "_public"] = Path(pub)
     shutil.copy(out["engine_public"], d / "allowed" / "engine.key")

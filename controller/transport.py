@@ -107,6 +107,17 @@ def check_endpoint(endpoint: str, *, keys: Optional[CurveKeys] = None, insecure:
     return None
 
 
+def create_certificates(directory: str | os.PathLike[str], name: str) -> tuple[str, str]:
+    """A CURVE certificate pair in DIRECTORY (made 0700): NAME.key (public) and NAME.key_secret (0600).
+    Returns (public file, secret file)."""
+    import zmq.auth
+
+    os.makedirs(directory, mode=0o700, exist_ok=True)
+    public, secret = zmq.auth.create_certificates(str(directory), name)
+    os.chmod(secret, 0o600)
+    return str(public), str(secret)
+
+
 def load_server_keys(secret_file: str | os.PathLike[str],
                      allowed_dir: Optional[str | os.PathLike[str]] = None) -> CurveKeys:
     """Server certificate (`specctl keys generate`) + the public certificates allowed in."""
