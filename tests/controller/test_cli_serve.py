@@ -21,3 +21,19 @@ def test_serve_passes_the_model_settings(tmp_path, monkeypatch):
     assert (s.accept_change_z, s.explore_decided_z, s.accept_half_life_s) == (0.0, 2.5, 4.0)
     res = CliRunner().invoke(cli.main, ["serve", "--accept-change-z", "-1"], env={"SPECCTL_RUNDIR": str(run)})
     assert res.exit_code != 0 and "accept-change-z" in res.output
+
+
+def test_keys_generate_writes_a_loadable_pair_with_a_private_secret(tmp_path):
+    import os
+    import stat
+
+    from specctl.controller import transport
+
+    d = tmp_path / "k"
+    res = CliRunner().invoke(cli.main, ["keys", "generate", str(d), "--name", "engine"])
+    assert res.exit_code == 0, res.output
+    assert stat.S_IMODE(os.stat(d).st_mode) == 0o700
+    assert stat.S_IMODE(os.stat(d / "engine.key_secret").st_mode) == 0o600
+    transport.create_certificates(d, "server")
+    keys = transport.load_client_keys(d / "engine.key_secret", d / "server.key")
+    assert keys.secret and keys.server_public
