@@ -285,6 +285,8 @@ class PluginRuntime:
                 s.close()
         self.sender = self.receiver = None
         self.telemetry_on = False
+        if self.engine is not None:
+            self.engine.close_trace()
 
 
 def make_policy_class(base: type) -> type:
