@@ -68,6 +68,21 @@ def http(port, path, obj=None, t=10):
         return f.status, f.read().decode()
 
 
+def wait_ready(sv, limit, deadline=float("inf")):
+    """A launched server ({"proc", "port", "t"}) answers /health within `limit` s of its launch (and before the
+    epoch `deadline`); False as soon as its process has exited."""
+    while time.time() - sv["t"] < limit and time.time() < deadline:
+        if sv["proc"].poll() is not None:
+            return False
+        try:
+            if http(sv["port"], "/health", t=2)[0] == 200:
+                return True
+        except Exception:
+            pass
+        time.sleep(1)
+    return False
+
+
 def kill_tree(proc):
     try:
         import psutil
@@ -264,18 +279,6 @@ def main():
         p = subprocess.Popen(cmd, stdout=open(lp, "w"), stderr=subprocess.STDOUT, env=env)
         return {"policy": pol, "port": port, "proc": p, "log": lp, "cmd": " ".join(cmd[1:]), "t": time.time(), "side": side}
 
-    def wait_ready(sv, limit=400):
-        while time.time() - sv["t"] < limit and time.time() < deadline:
-            if sv["proc"].poll() is not None:
-                return False
-            try:
-                if http(sv["port"], "/health", t=2)[0] == 200:
-                    return True
-            except Exception:
-                pass
-            time.sleep(1)
-        return False
-
     while todo or launched:
         if not launched:  # launch a group, wait until all of it is up, then measure one at a time (others idle)
             while todo and len(launched) < a.parallel:
@@ -283,7 +286,7 @@ def main():
                 launched.append(launch(k, pol))
                 log("launched", pol)
             for x in launched:
-                x["ok"] = wait_ready(x)
+                x["ok"] = wait_ready(x, 400, deadline)
                 x["ready_s"] = round(time.time() - x["t"], 1)
         sv = launched.pop(0)
         pol = sv["policy"]

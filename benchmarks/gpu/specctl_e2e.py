@@ -63,19 +63,6 @@ def launch(model, port, args, env, logpath):
     return {"port": port, "proc": p, "log": logpath, "t": time.time(), "cmd": " ".join(cmd[1:])}
 
 
-def wait_ready(sv, limit):
-    while time.time() - sv["t"] < limit:
-        if sv["proc"].poll() is not None:
-            return False
-        try:
-            if RB.http(sv["port"], "/health", t=2)[0] == 200:
-                return True
-        except Exception:  # noqa: BLE001
-            pass
-        time.sleep(1)
-    return False
-
-
 async def timed_loop(port, items, conc, duration_s, new, offset=0):
     """c closed-loop streaming clients for duration_s (requests started before the end finish)."""
     import aiohttp
@@ -169,7 +156,7 @@ def cmd_online(a):
     sv = launch(a.model, a.port, args, env, os.path.join(a.out, "server.log"))
     res = {"model": a.model, "draft": a.draft, "stale_after_s": a.stale_s, "stages": {}, "windows": {}}
     try:
-        ok = wait_ready(sv, a.ready_s)
+        ok = RB.wait_ready(sv, a.ready_s)
         res["ready"], res["ready_s"] = ok, round(time.time() - sv["t"], 1)
         log("server ready" if ok else "server NOT ready", res["ready_s"], "s")
         if not ok:
@@ -312,7 +299,7 @@ def cmd_identity(a):
     res = {"model": a.model, "table": FILE_TABLE, "n_prompts": len(items), "dtypes": {}}
     try:
         for key, sv in servers.items():
-            sv["ok"] = wait_ready(sv, a.ready_s)
+            sv["ok"] = RB.wait_ready(sv, a.ready_s)
             log("ready" if sv["ok"] else "NOT READY", key, round(time.time() - sv["t"], 1), "s")
         for dt in a.dtypes.split(","):
             outs = {}
@@ -379,7 +366,7 @@ def cmd_overhead(a):
     res = {"policy": "threshold:5:s3", "levels": [], "reps": a.reps, "seconds": a.ovh_s}
     try:
         for k, s in sv.items():
-            s["ok"] = wait_ready(s, a.ready_s)
+            s["ok"] = RB.wait_ready(s, a.ready_s)
             log(k, "ready" if s["ok"] else "NOT READY", round(time.time() - s["t"], 1), "s")
         if not all(s["ok"] for s in sv.values()):
             res["tails"] = {k: open(s["log"], errors="replace").read()[-1500:] for k, s in sv.items() if not s["ok"]}
