@@ -5,7 +5,9 @@
       --levels 1,2,4,8,16,32,64,128 --phase --out $OUT [--parallel 3] [--deadline-s 540]
 
 Per policy, a server (`python3 -m sglang.launch_server`) is launched; up to --parallel servers start at
-once (start-up dominates), then each is measured alone (others idle with --sleep-on-idle) and killed:
+once (start-up dominates), then each is measured alone (others idle with --sleep-on-idle) and killed; with
+--interleave the group's servers stay up and take turns per (repetition, level), in an order rotated every
+round, so that drift over the call lands on every policy alike (the figures to compare policies by):
   1. identity probe: 16 prompts, greedy, 64 tokens -> output ids (off vs spec must match token for token)
   2. concurrency sweep: closed loop of c streaming clients over MT-Bench turn-1 + HumanEval chat prompts
      (interleaved, fixed order), max_new_tokens --new-tokens, natural EOS; output tokens/s, median and p99
@@ -207,7 +209,10 @@ def main():
     ap.add_argument("--req-per-level", default="max(3*c,24)", help="python expression in c")
     ap.add_argument("--repeats", type=int, default=1, help="closed loops per level (same requests); the row is the "
                                                                "median one, with every repetition's tok/s and the spread")
+    ap.add_argument("--interleave", action="store_true",
+                    help="measure a group's servers round robin per (repetition, level) instead of one after another")
     ap.add_argument("--phase", action="store_true")
+    ap.add_argument("--phase-first", action="store_true", help="with --interleave: the phase runs before the sweep")
     ap.add_argument("--accept-eval", action="store_true", help="all MT-Bench turn-1 / HumanEval prompts at c=16, per spec policy")
     ap.add_argument("--accept-tokens", type=int, default=320)
     ap.add_argument("--phase-scale", type=float, default=1.0, help="multiply phase durations")
@@ -248,7 +253,6 @@ def main():
     except Exception:
         pass
     todo = list(enumerate(policies))
-    launched = []
 
     def launch(k, pol):
         port = a.port0 + 10 * k
@@ -279,87 +283,132 @@ def main():
         p = subprocess.Popen(cmd, stdout=open(lp, "w"), stderr=subprocess.STDOUT, env=env)
         return {"policy": pol, "port": port, "proc": p, "log": lp, "cmd": " ".join(cmd[1:]), "t": time.time(), "side": side}
 
-    while todo or launched:
-        if not launched:  # launch a group, wait until all of it is up, then measure one at a time (others idle)
-            while todo and len(launched) < a.parallel:
-                k, pol = todo.pop(0)
-                launched.append(launch(k, pol))
-                log("launched", pol)
-            for x in launched:
-                x["ok"] = wait_ready(x, 400, deadline)
-                x["ready_s"] = round(time.time() - x["t"], 1)
-        sv = launched.pop(0)
-        pol = sv["policy"]
-        ok = sv["ok"]
-        srv = {"cmd": sv["cmd"], "ready": ok, "ready_s": sv["ready_s"]}
-        result["servers"][pol] = srv
-        if not ok:
-            log("NOT READY", pol, open(sv["log"]).read()[-2000:])
-            kill_tree(sv["proc"])
-            if sv.get("side"):
-                finish_plugin_run(sv, srv, a.out)
-            continue
-        log("ready", pol, srv["ready_s"], "s")
-        try:
-            # warm-up, then identity probe
-            asyncio.run(closed_loop(sv["port"], mixed[:8], 8, 8, 16))
-            if pol == "specctl" and a.specctl_learn:
-                t_learn = time.time()
-                for c in (int(x) for x in a.specctl_learn.split(",") if x):
-                    if time.time() > deadline - 60:
-                        break
-                    asyncio.run(closed_loop(sv["port"], mixed[len(mixed) // 2:], c, max(2 * c, 8), a.new_tokens))
-                srv["learn_s"] = round(time.time() - t_learn, 1)
-                log(f"specctl learned for {srv['learn_s']} s; policy:", json.dumps(sv["side"].status()["policy"]["table"])[:600])
-            outs, _ = asyncio.run(closed_loop(sv["port"], mixed[:16], 16, 16, 64, stream=False))
-            result["identity"][pol] = {o.get("pid"): o.get("ids") for o in outs}
-            if a.accept_eval and pol != "off":
-                acc = {}
-                for name, items in (("mtbench", mtb), ("humaneval", he)):
-                    outs, wall = asyncio.run(closed_loop(sv["port"], items, 16, len(items), a.accept_tokens))
-                    acc[name] = summarize_requests(outs, wall)
-                result.setdefault("accept_eval", {})[pol] = acc
-                log(f"{pol} accept length: mtbench {acc['mtbench']['accept_length']}, humaneval {acc['humaneval']['accept_length']}")
-            for c in levels:
-                if time.time() > deadline - 20:
-                    log("deadline: stop sweep", pol)
+    def prepare(sv):
+        """Warm-up, specctl's learning pass, the identity probe, the accept-length evaluation."""
+        pol, srv = sv["policy"], result["servers"][sv["policy"]]
+        asyncio.run(closed_loop(sv["port"], mixed[:8], 8, 8, 16))
+        if pol == "specctl" and a.specctl_learn:
+            t_learn = time.time()
+            for c in (int(x) for x in a.specctl_learn.split(",") if x):
+                if time.time() > deadline - 60:
                     break
-                n_req = int(eval(a.req_per_level, {"max": max, "min": min}, {"c": c}))
-                off = os.path.getsize(sv["log"])
-                reps = []
-                for _ in range(a.repeats):  # the same request set each time: the spread is the measurement noise
-                    outs, wall = asyncio.run(closed_loop(sv["port"], mixed, c, n_req, a.new_tokens))
-                    reps.append(summarize_requests(outs, wall))
-                time.sleep(0.3)
-                with open(sv["log"]) as f:
-                    f.seek(off)
-                    lines = f.read()
-                med = sorted(reps, key=lambda r: r["output_tokens_per_s"] or 0)[(len(reps) - 1) // 2]
-                row = {"policy": pol, "concurrency": c, **med, "log": parse_decode_lines(lines, c)}
-                if a.repeats > 1:
-                    tps = [r["output_tokens_per_s"] for r in reps]
-                    row["repeats_tok_s"] = tps
-                    row["spread"] = round((max(tps) - min(tps)) / med["output_tokens_per_s"], 4) if med["output_tokens_per_s"] else None
-                result["runs"].append(row)
-                log(f"{pol} c={c}: {row['output_tokens_per_s']} tok/s, tpot med {row['median_tpot_ms']} ms, "
-                    f"acc {row['accept_length']}, log step {row['log'].get('step_ms_med')} ms")
-            if a.phase and time.time() < deadline - 20 - sum(p["duration_s"] for p in PHASES) * a.phase_scale:
-                phases = [dict(p, duration_s=p["duration_s"] * a.phase_scale) for p in PHASES]
-                off = os.path.getsize(sv["log"])
-                outs, wall = asyncio.run(phase_loop(sv["port"], pools, phases, a.new_tokens))
-                with open(sv["log"]) as f:
-                    f.seek(off)
-                    lines = f.read()
-                sw = re.findall(r"Adaptive spec params updated: steps (\d+) -> (\d+)", lines)
-                row = {"policy": pol, **summarize_requests(outs, wall), "adaptive_switches": len(sw),
-                       "phases": phases}
-                result["phase_runs"].append(row)
-                log(f"{pol} phase: {row['output_tokens_per_s']} tok/s, tpot med {row['median_tpot_ms']} ms, switches {len(sw)}")
+                asyncio.run(closed_loop(sv["port"], mixed[len(mixed) // 2:], c, max(2 * c, 8), a.new_tokens))
+            srv["learn_s"] = round(time.time() - t_learn, 1)
+            log(f"specctl learned for {srv['learn_s']} s; policy:", json.dumps(sv["side"].status()["policy"]["table"])[:600])
+        outs, _ = asyncio.run(closed_loop(sv["port"], mixed[:16], 16, 16, 64, stream=False))
+        result["identity"][pol] = {o.get("pid"): o.get("ids") for o in outs}
+        if a.accept_eval and pol != "off":
+            acc = {}
+            for name, items in (("mtbench", mtb), ("humaneval", he)):
+                outs, wall = asyncio.run(closed_loop(sv["port"], items, 16, len(items), a.accept_tokens))
+                acc[name] = summarize_requests(outs, wall)
+            result.setdefault("accept_eval", {})[pol] = acc
+            log(f"{pol} accept length: mtbench {acc['mtbench']['accept_length']}, humaneval {acc['humaneval']['accept_length']}")
+
+    def measure(sv, c):
+        """One closed loop at concurrency c (always the same request set): the summary + the log lines' steps."""
+        n_req = int(eval(a.req_per_level, {"max": max, "min": min}, {"c": c}))
+        off = os.path.getsize(sv["log"])
+        outs, wall = asyncio.run(closed_loop(sv["port"], mixed, c, n_req, a.new_tokens))
+        r = summarize_requests(outs, wall)
+        time.sleep(0.3)
+        with open(sv["log"]) as f:
+            f.seek(off)
+            r["log"] = parse_decode_lines(f.read(), c)
+        r["t_start"] = round(time.time() - wall - T0, 1)
+        return r
+
+    def add_row(pol, c, reps):
+        med = sorted(reps, key=lambda r: r["output_tokens_per_s"] or 0)[(len(reps) - 1) // 2]
+        row = {"policy": pol, "concurrency": c, **med}
+        if len(reps) > 1:
+            tps = [r["output_tokens_per_s"] for r in reps]
+            row["repeats_tok_s"] = tps
+            row["repeats_t_start"] = [r["t_start"] for r in reps]
+            row["spread"] = round((max(tps) - min(tps)) / med["output_tokens_per_s"], 4) if med["output_tokens_per_s"] else None
+        result["runs"].append(row)
+        log(f"{pol} c={c}: {row['output_tokens_per_s']} tok/s, tpot med {row['median_tpot_ms']} ms, "
+            f"acc {row['accept_length']}, log step {row['log'].get('step_ms_med')} ms" +
+            (f", repeats {row['repeats_tok_s']}" if len(reps) > 1 else ""))
+
+    def phase(sv):
+        pol = sv["policy"]
+        phases = [dict(p, duration_s=p["duration_s"] * a.phase_scale) for p in PHASES]
+        if not a.phase or time.time() > deadline - 20 - sum(p["duration_s"] for p in phases):
+            return
+        off = os.path.getsize(sv["log"])
+        outs, wall = asyncio.run(phase_loop(sv["port"], pools, phases, a.new_tokens))
+        with open(sv["log"]) as f:
+            f.seek(off)
+            lines = f.read()
+        sw = re.findall(r"Adaptive spec params updated: steps (\d+) -> (\d+)", lines)
+        row = {"policy": pol, **summarize_requests(outs, wall), "adaptive_switches": len(sw), "phases": phases,
+               "t_start": round(time.time() - wall - T0, 1)}
+        result["phase_runs"].append(row)
+        log(f"{pol} phase: {row['output_tokens_per_s']} tok/s, tpot med {row['median_tpot_ms']} ms, switches {len(sw)}")
+
+    def retire(sv):
+        if sv.get("retired"):
+            return
+        sv["retired"] = True
+        kill_tree(sv["proc"])
+        if sv.get("side"):
+            finish_plugin_run(sv, result["servers"][sv["policy"]], a.out)
+
+    while todo:
+        group = []  # launch a group, wait until all of it is up (others idle with --sleep-on-idle while one runs)
+        while todo and len(group) < a.parallel:
+            k, pol = todo.pop(0)
+            group.append(launch(k, pol))
+            log("launched", pol)
+        for x in group:
+            x["ok"] = wait_ready(x, 400, deadline)
+            result["servers"][x["policy"]] = {"cmd": x["cmd"], "ready": x["ok"], "ready_s": round(time.time() - x["t"], 1)}
+        live = []
+        for sv in group:
+            if not sv["ok"]:
+                log("NOT READY", sv["policy"], open(sv["log"]).read()[-2000:])
+                retire(sv)
+            else:
+                log("ready", sv["policy"], result["servers"][sv["policy"]]["ready_s"], "s")
+                live.append(sv)
+        try:
+            for sv in live:
+                prepare(sv)
+            if a.interleave and a.phase_first:
+                for sv in live:
+                    phase(sv)
+            if a.interleave:
+                # round robin: every (repetition, level) runs each policy once, in an order rotated each round,
+                # so that a drift of the machine over the call lands on every policy alike
+                reps = {(sv["policy"], c): [] for sv in live for c in levels}
+                for rep in range(a.repeats):
+                    for i, c in enumerate(levels):
+                        if time.time() > deadline - 20:
+                            break
+                        k = (rep * len(levels) + i) % max(1, len(live))
+                        for sv in live[k:] + live[:k]:
+                            reps[(sv["policy"], c)].append(measure(sv, c))
+                for sv in live:
+                    for c in levels:
+                        if reps[(sv["policy"], c)]:
+                            add_row(sv["policy"], c, reps[(sv["policy"], c)])
+                if not a.phase_first:
+                    for sv in live:
+                        phase(sv)
+            else:
+                for sv in live:
+                    for c in levels:
+                        if time.time() > deadline - 20:
+                            log("deadline: stop sweep", sv["policy"])
+                            break
+                        add_row(sv["policy"], c, [measure(sv, c) for _ in range(a.repeats)])
+                    phase(sv)
+                    retire(sv)
+                    time.sleep(2)
         finally:
-            kill_tree(sv["proc"])
-            if sv.get("side"):
-                finish_plugin_run(sv, srv, a.out)
-            time.sleep(2)
+            for sv in live:
+                retire(sv)
     result["identity"] = identity_report(result["identity"])
     prof = profile_from_runs(result["runs"], f"h200-smollm2-135m-{a.variant}")
     json.dump(result, open(os.path.join(a.out, f"bench-{a.variant}.json"), "w"), indent=1)

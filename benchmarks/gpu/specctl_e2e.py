@@ -12,13 +12,16 @@
                     restored policy version back
         audits every decision of the plugin (SPECCTL_DECISION_LOG) against the daemon's published tables,
         counts SGLang's own `Switch adaptive runtime state` lines, telemetry per stage -> DIR/online.json
-    specctl_e2e.py identity --model /tmp/m/base --draft /tmp/m/draft --out DIR [--dtypes float32,bfloat16]
-        per dtype two servers: `off` and specctl (file mode: bs 1-2 -> s3, 3-8 -> s1, 9+ -> off); 32 prompts
-        sent at once with max_new_tokens 24..272, so the batch shrinks through every row of the table while
-        requests decode; greedy output ids compared prompt by prompt -> DIR/identity.json
+    specctl_e2e.py identity --model /tmp/m/base --draft /tmp/m/draft --out DIR [--variants bfloat16,bfloat16-det]
+        per variant three servers: `off`, `static:s3` (SGLang's EAGLE-3 alone) and specctl (file mode: bs 1-2 -> s3,
+        3-8 -> s1, 9+ -> off); 32 prompts sent at once with max_new_tokens 24..272, so the batch shrinks through
+        every row of the table while requests decode; greedy output ids compared with off prompt by prompt, and
+        where they differ, off's own top-1 minus top-2 log-probability at the first differing position (a
+        near-tie or not) -> DIR/identity.json; `-det` adds --enable-deterministic-inference
     specctl_e2e.py overhead --model /tmp/m/8b --draft /tmp/m/draft --out DIR
         threshold:5:s3 without and with the plugin (fixed mode, telemetry to a live daemon), both servers on
-        the same GPU, measured alternately (A B A B ...) at each level -> DIR/overhead.json
+        the same GPU, measured alternately (A B B A A B ...) at each level on the same request set every window;
+        paired ratios with a 95 % interval -> DIR/overhead.json
 
 Runs THERE with PYTHONPATH=/tmp/site (device_call.sh e2e); stdlib + aiohttp + the specctl site.
 """
@@ -274,7 +277,20 @@ def file_policy(path):
               open(path, "w"))
 
 
+IDENTITY_MODES = ("off", "static:s3", "specctl")
+
+
+def variant_args(v):
+    """'bfloat16' or 'bfloat16-det' (SGLang's --enable-deterministic-inference: batch-invariant kernels)."""
+    dt, _, det = v.partition("-")
+    return ["--dtype", dt] + (["--enable-deterministic-inference"] if det == "det" else [])
+
+
 def cmd_identity(a):
+    """Per variant three servers: off, static:s3 (SGLang's own EAGLE-3, no specctl) and specctl (file table).
+    Same prompts sent at once; greedy ids compared with off. Where they differ, the off server's own top-2
+    log-probabilities at the first differing position say whether it was a near-tie (a numerical coin flip
+    between two kernels) or a real disagreement."""
     os.makedirs(a.out, exist_ok=True)
     site = SC.make_site(a.site)
     mtb, he = P.load_benchmark_sets(a.model, a.prompts)
@@ -283,64 +299,107 @@ def cmd_identity(a):
     file_policy(pol)
     cfg = os.path.join(a.out, "adaptive.json")
     json.dump({"1": {"candidate_steps": [0, 1, 3]}}, open(cfg, "w"))
+    variants = [v for v in a.variants.split(",") if v]
     servers = {}
     k = 0
-    for dt in a.dtypes.split(","):
-        for mode in ("off", "specctl"):
-            args = common_args(64, a.mem_fraction) + ["--dtype", dt]
+    for v in variants:
+        for mode in IDENTITY_MODES:
+            args = common_args(64, a.mem_fraction) + variant_args(v)
             env = dict(os.environ)
-            if mode == "specctl":
+            if mode == "static:s3":
+                args += eagle_args(a.draft, 3)
+            elif mode == "specctl":
                 args += eagle_args(a.draft, 3) + ["--speculative-adaptive", "--speculative-adaptive-config", cfg]
                 env = SC.with_pythonpath(dict(env, SGLANG_PLUGINS="specctl", SPECCTL_MODE="file",
                                               SPECCTL_POLICY_FILE=pol, SPECCTL_TELEMETRY="none", SPECCTL_POLICY="none",
-                                              SPECCTL_DECISION_LOG=os.path.join(a.out, f"decisions-{dt}-rank{{rank}}.txt")), site)
-            servers[(dt, mode)] = launch(a.model, a.port + 10 * k, args, env, os.path.join(a.out, f"identity-{dt}-{mode}.log"))
+                                              SPECCTL_DECISION_LOG=os.path.join(a.out, f"decisions-{v}-rank{{rank}}.txt")), site)
+            tag = mode.replace(":", "_")
+            servers[(v, mode)] = launch(a.model, a.port + 10 * k, args, env, os.path.join(a.out, f"identity-{v}-{tag}.log"))
             k += 1
-    res = {"model": a.model, "table": FILE_TABLE, "n_prompts": len(items), "dtypes": {}}
+    res = {"model": a.model, "table": FILE_TABLE, "n_prompts": len(items), "variants": {}}
     try:
         for key, sv in servers.items():
             sv["ok"] = RB.wait_ready(sv, a.ready_s)
             log("ready" if sv["ok"] else "NOT READY", key, round(time.time() - sv["t"], 1), "s")
-        for dt in a.dtypes.split(","):
+        for v in variants:
             outs = {}
-            for mode in ("off", "specctl"):
-                sv = servers[(dt, mode)]
-                if not sv["ok"]:
-                    outs[mode] = None
-                    continue
-                outs[mode] = asyncio.run(all_at_once(sv["port"], items, a.min_tokens, a.step_tokens))
-            r = {"ready": {m: servers[(dt, m)]["ok"] for m in ("off", "specctl")}}
-            if outs["off"] is not None and outs["specctl"] is not None:
+            for mode in IDENTITY_MODES:
+                sv = servers[(v, mode)]
+                outs[mode] = asyncio.run(all_at_once(sv["port"], items, a.min_tokens, a.step_tokens)) if sv["ok"] else None
+            r = {"ready": {m: servers[(v, m)]["ok"] for m in IDENTITY_MODES}}
+            if outs["off"] is not None:
                 ref = {o["pid"]: o.get("ids") for o in outs["off"] if "error" not in o}
-                got = {o["pid"]: o.get("ids") for o in outs["specctl"] if "error" not in o}
-                r.update(identity_report({"off": ref, "specctl": got})["specctl"],
-                         tokens_compared=sum(len(ref[p]) for p in got if p in ref and ref[p] is not None),
-                         errors=sum(1 for o in outs["off"] + outs["specctl"] if "error" in o))
-                dl = os.path.join(a.out, f"decisions-{dt}-rank0.txt")
-                if os.path.exists(dl):
-                    hist = {}
-                    for _, _, s, _ in SC.read_decisions(dl):
-                        hist[s] = hist.get(s, 0) + 1
-                    r["specctl_steps_used"] = dict(sorted(hist.items()))
-                r["sglang_switch_lines"] = SC.count_switch_lines(open(servers[(dt, "specctl")]["log"], errors="replace").read())
-            else:
-                r["tails"] = {m: open(servers[(dt, m)]["log"], errors="replace").read()[-1500:] for m in ("off", "specctl")
-                              if not servers[(dt, m)]["ok"]}
-            res["dtypes"][dt] = r
-            log("identity", dt, json.dumps({k2: v for k2, v in r.items() if k2 != "tails"})[:500])
+                # the off server again, with its top-2 log-probabilities at every output position
+                lp = asyncio.run(all_at_once(servers[(v, "off")]["port"], items, a.min_tokens, a.step_tokens, top2=True))
+                top2 = {o["pid"]: o.get("top2") for o in lp if "error" not in o}
+                r["off_repeat_identical"] = sum(1 for o in lp if "error" not in o and o.get("ids") == ref.get(o["pid"]))
+                r["off_margin_quantiles"] = margin_quantiles(top2)
+                for mode in IDENTITY_MODES[1:]:
+                    if outs[mode] is None:
+                        continue
+                    got = {o["pid"]: o.get("ids") for o in outs[mode] if "error" not in o}
+                    rep = identity_report({"off": ref, mode: got})[mode]
+                    rep["tokens_compared"] = sum(len(ref[p]) for p in got if p in ref and ref[p] is not None)
+                    rep["errors"] = sum(1 for o in outs[mode] if "error" in o)
+                    rep["margin_at_divergence"] = {p: margin_at(top2.get(p), j) for p, j in rep["first_divergence"].items()}
+                    r[mode] = rep
+            dl = os.path.join(a.out, f"decisions-{v}-rank0.txt")
+            if os.path.exists(dl):
+                hist = {}
+                for _, _, st_, _ in SC.read_decisions(dl):
+                    hist[st_] = hist.get(st_, 0) + 1
+                r["specctl_steps_used"] = dict(sorted(hist.items()))
+            r["sglang_switch_lines"] = SC.count_switch_lines(open(servers[(v, "specctl")]["log"], errors="replace").read())
+            r["tails"] = {m: open(servers[(v, m)]["log"], errors="replace").read()[-1500:] for m in IDENTITY_MODES
+                          if not servers[(v, m)]["ok"]}
+            res["variants"][v] = r
+            log("identity", v, json.dumps({k2: (x if k2 != "tails" else list(x)) for k2, x in r.items()})[:900])
     finally:
         for sv in servers.values():
             RB.kill_tree(sv["proc"])
     return res
 
 
-async def all_at_once(port, items, min_tokens, step_tokens):
+def margin_at(top2, j):
+    """log p(top-1) - log p(top-2) of the off server at output position j (None where not recorded)."""
+    if not top2 or j is None or j >= len(top2) or top2[j] is None:
+        return None
+    return round(top2[j], 4)
+
+
+def margin_quantiles(top2):
+    m = sorted(x for v in top2.values() if v for x in v if x is not None)
+    if not m:
+        return None
+    return {q: round(m[min(len(m) - 1, int(q * len(m)))], 4) for q in (0.01, 0.05, 0.1, 0.5)} | {"n": len(m)}
+
+
+async def all_at_once(port, items, min_tokens, step_tokens, top2=False):
     import aiohttp
     out = []
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=900)) as s:
-        await asyncio.gather(*[RB.one_request(s, port, x["ids"], min_tokens + step_tokens * i, out, False, x.get("id"))
-                               for i, x in enumerate(items)])
+        if top2:
+            await asyncio.gather(*[one_with_top2(s, port, x["ids"], min_tokens + step_tokens * i, out, x.get("id"))
+                                   for i, x in enumerate(items)])
+        else:
+            await asyncio.gather(*[RB.one_request(s, port, x["ids"], min_tokens + step_tokens * i, out, False, x.get("id"))
+                                   for i, x in enumerate(items)])
     return out
+
+
+async def one_with_top2(session, port, ids, new, out, pid):
+    """Greedy /generate with the top-2 log-probabilities of every output position: the margin per position."""
+    body = {"input_ids": ids, "sampling_params": {"temperature": 0, "max_new_tokens": new}, "stream": False,
+            "return_logprob": True, "top_logprobs_num": 2}
+    try:
+        async with session.post(f"http://127.0.0.1:{port}/generate", json=body) as r:
+            o = await r.json()
+        tops = o["meta_info"].get("output_top_logprobs") or []
+        margins = [(t[0][0] - t[1][0]) if t and len(t) >= 2 and t[0][0] is not None and t[1][0] is not None else None
+                   for t in tops]
+        out.append({"pid": pid, "ids": o.get("output_ids"), "top2": margins})
+    except Exception as e:  # noqa: BLE001 - recorded, counted by the caller
+        out.append({"pid": pid, "error": repr(e)[:200]})
 
 
 # ---------------------------------------------------------------- overhead
@@ -363,7 +422,7 @@ def cmd_overhead(a):
                                                                    threshold=5, config="s3")), site)
     sv = {"without": launch(a.model, a.port, base_args, env_plain, os.path.join(a.out, "ovh-without.log")),
           "with": launch(a.model, a.port + 10, base_args, env_plug, os.path.join(a.out, "ovh-with.log"))}
-    res = {"policy": "threshold:5:s3", "levels": [], "reps": a.reps, "seconds": a.ovh_s}
+    res = {"policy": "threshold:5:s3", "levels": [], "reps": a.reps, "requests_per_window": a.ovh_req}
     try:
         for k, s in sv.items():
             s["ok"] = RB.wait_ready(s, a.ready_s)
@@ -374,17 +433,16 @@ def cmd_overhead(a):
         for s in sv.values():
             asyncio.run(RB.closed_loop(s["port"], mixed[:8], 8, 8, 16))
         for c in (int(x) for x in a.levels.split(",")):
+            n_req = int(eval(a.ovh_req, {"max": max, "min": min}, {"c": c}))
             runs = {"without": [], "with": []}
             order = ["without", "with"]
-            for rep in range(a.reps):
+            for rep in range(a.reps):  # the same n_req requests in every window: only the server differs
                 for k in (order if rep % 2 == 0 else order[::-1]):
-                    outs, wall = asyncio.run(timed_loop(sv[k]["port"], mixed, c, a.ovh_s, a.new_tokens, offset=17 * rep))
-                    r = summarize_requests(outs, wall)
-                    runs[k].append(r["output_tokens_per_s"])
-            mw, mo = st.mean(runs["with"]), st.mean(runs["without"])
-            row = {"concurrency": c, "tok_s_without": runs["without"], "tok_s_with": runs["with"],
-                   "ratio_with_over_without": round(mw / mo, 4),
-                   "rep_spread_without": round((max(runs["without"]) - min(runs["without"])) / mo, 4)}
+                    outs, wall = asyncio.run(RB.closed_loop(sv[k]["port"], mixed, c, n_req, a.new_tokens))
+                    runs[k].append(summarize_requests(outs, wall)["output_tokens_per_s"])
+            row = {"concurrency": c, "requests_per_window": n_req, "tok_s_without": runs["without"],
+                   "tok_s_with": runs["with"], **paired_ratio(runs["with"], runs["without"]),
+                   "rep_spread_without": round((max(runs["without"]) - min(runs["without"])) / st.mean(runs["without"]), 4)}
             res["levels"].append(row)
             log("overhead", json.dumps(row))
         res["plugin_log"] = grep(sv["with"]["log"], r"specctl:")
@@ -393,6 +451,21 @@ def cmd_overhead(a):
             RB.kill_tree(s["proc"])
         d.stop()
     return res
+
+
+def paired_ratio(with_, without):
+    """Ratios of adjacent windows (with / without, one pair per repetition): mean, median, range and a 95 %
+    t interval of the mean, so that 'within 0.5 %' is read against the measurement's own resolution."""
+    r = [w / o for w, o in zip(with_, without) if w and o]
+    if not r:
+        return {"ratio_with_over_without": None}
+    out = {"ratio_with_over_without": round(st.mean(r), 4), "ratio_median": round(st.median(r), 4),
+           "ratio_min": round(min(r), 4), "ratio_max": round(max(r), 4), "pairs": len(r)}
+    if len(r) > 1:
+        t95 = {2: 12.71, 3: 4.30, 4: 3.18, 5: 2.78, 6: 2.57, 7: 2.45, 8: 2.36, 9: 2.31, 10: 2.26}.get(len(r), 2.0)
+        half = t95 * st.stdev(r) / len(r) ** 0.5
+        out["ratio_ci95"] = [round(st.mean(r) - half, 4), round(st.mean(r) + half, 4)]
+    return out
 
 
 def main():
@@ -415,14 +488,16 @@ def main():
     ap.add_argument("--kill-total-s", type=float, default=35.0)
     ap.add_argument("--dead-s", type=float, default=15.0)
     # identity
-    ap.add_argument("--dtypes", default="float32,bfloat16")
+    ap.add_argument("--variants", default="bfloat16,bfloat16-det",
+                    help="dtype[-det] per server trio; -det = --enable-deterministic-inference")
     ap.add_argument("--n-prompts", type=int, default=32)
     ap.add_argument("--min-tokens", type=int, default=24)
     ap.add_argument("--step-tokens", type=int, default=8)
     # overhead
     ap.add_argument("--levels", default="2,16")
-    ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--ovh-s", type=float, default=10.0)
+    ap.add_argument("--reps", type=int, default=6)
+    ap.add_argument("--ovh-req", default="max(6*c,24)", help="requests per window (python expression in c); the "
+                                                             "same requests in every window")
     a = ap.parse_args()
     fn = {"online": cmd_online, "identity": cmd_identity, "overhead": cmd_overhead}[a.cmd]
     res = fn(a)

@@ -177,3 +177,25 @@ def test_server_args_shared_by_the_runner_and_the_checks():
     assert "--disable-prefill-cuda-graph" in a
     b = B.server_args(8, 0.2, prefill_graph=True)
     assert "--max-total-tokens" not in b and "--disable-prefill-cuda-graph" not in b
+
+
+def test_identity_margins_and_deterministic_variant():
+    import specctl_e2e as E
+    assert E.variant_args("bfloat16") == ["--dtype", "bfloat16"]
+    assert E.variant_args("bfloat16-det") == ["--dtype", "bfloat16", "--enable-deterministic-inference"]
+    top2 = {"a": [2.0, 0.01, None], "b": [0.5]}
+    assert E.margin_at(top2["a"], 1) == 0.01
+    assert E.margin_at(top2["a"], 2) is None and E.margin_at(top2["a"], 9) is None and E.margin_at(None, 0) is None
+    q = E.margin_quantiles(top2)
+    assert q["n"] == 3 and q[0.01] == 0.01 and q[0.5] == 0.5
+    assert E.margin_quantiles({"a": None}) is None
+
+
+def test_paired_ratio_reads_adjacent_windows():
+    import specctl_e2e as E
+    r = E.paired_ratio([101.0, 99.0, 100.0], [100.0, 100.0, 100.0])
+    assert r["pairs"] == 3 and r["ratio_with_over_without"] == 1.0 and r["ratio_min"] == 0.99 and r["ratio_max"] == 1.01
+    lo, hi = r["ratio_ci95"]
+    assert lo < 1.0 < hi and round(hi - 1.0, 4) == round(1.0 - lo, 4)
+    assert E.paired_ratio([0.0], [100.0]) == {"ratio_with_over_without": None}
+    assert "ratio_ci95" not in E.paired_ratio([100.0], [100.0])

@@ -36,7 +36,11 @@ class H(BaseHTTPRequestHandler):
                 self.wfile.write(b"data: [DONE]\n\n")
             else:
                 time.sleep(0.01)
-                o = json.dumps({"text": "x", "output_ids": ids, "meta_info": {"completion_tokens": new, "spec_verify_ct": vct if spec else None}}).encode()
+                meta = {"completion_tokens": new, "spec_verify_ct": vct if spec else None}
+                if body.get("return_logprob"):  # top-k log-probabilities per output position: [[logprob, id, text], ...]
+                    k = body.get("top_logprobs_num", 1)
+                    meta["output_top_logprobs"] = [[[-0.1 * (j + 1) - (i % 3), t + j, None] for j in range(k)] for i, t in enumerate(ids)]
+                o = json.dumps({"text": "x", "output_ids": ids, "meta_info": meta}).encode()
                 self.send_response(200); self.send_header("Content-Type", "application/json"); self.send_header("Content-Length", str(len(o))); self.end_headers(); self.wfile.write(o)
         finally:
             with lock: state["running"] -= 1
