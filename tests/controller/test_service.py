@@ -237,3 +237,52 @@ def test_exploration_stops_where_the_evidence_is_decisive(crossover, z, explored
     svc.tick()
     rows = {(r.min_batch, r.max_batch) for r in (svc.policy.explore or []) if r.config.key == (3, 1, 4)}
     assert ((32, 63) in rows) == explored
+
+
+def _feed_ticking(svc, clock, truth, seconds, bs, seed):
+    """Telemetry of `truth` for `seconds`, the service ticking once a second as the daemon does;
+    the table after each refit."""
+    out, end, next_tick = [], clock.t + seconds, clock.t + 1.0
+    for r in generate(truth, num_steps=10 ** 9, batch_sizes=bs, seed=seed, t0=clock.t):
+        if r["ts"] >= end:
+            break
+        while r["ts"] >= next_tick:
+            clock.t = next_tick
+            svc.tick()
+            out.append(table(svc))
+            next_tick += 1.0
+        clock.t = r["ts"]
+        svc.observe_frame(json.dumps(r).encode())
+    return out
+
+
+def _shortfall(t, truth, bs):
+    """The largest goodput the table gives up against the truth's best choice, over `bs`."""
+    by_config = {c.config: c for c in truth.configs}
+    best = truth.best(max(bs))
+    return max(1.0 - truth.goodput(by_config[t.lookup(b)], b) / truth.goodput(by_config[best[b - 1]], b)
+               for b in bs)
+
+
+ACCEPT = {"code": (0.9, 0.85, 0.8), "chat": (0.55, 0.45, 0.4)}
+
+
+@pytest.mark.parametrize("before, after", [("code", "chat"), ("chat", "code")])
+def test_an_acceptance_shift_moves_the_table_within_a_few_refits(before, after):
+    from dataclasses import replace
+
+    from specctl.training.synth import GroundTruth
+
+    off, s3 = truth_with_crossover(40, accept=ACCEPT["code"]).configs  # chat: crossover 12
+    truths = {k: GroundTruth((off, replace(s3, accept=a))) for k, a in ACCEPT.items()}
+    clock = Clock()
+    svc = ControllerService(ServiceSettings(candidates=(off.config, s3.config)), clock=clock)
+    bs = list(range(1, 90))
+    settled = _feed_ticking(svc, clock, truths[before], 40, bs, seed=0)[-1]
+    assert _shortfall(settled, truths[before], bs) < 0.03
+    assert _shortfall(settled, truths[after], bs) > 0.15  # wrong for the new traffic
+    shifted = [_shortfall(t, truths[after], bs) for t in _feed_ticking(svc, clock, truths[after], 20, bs, seed=1)]
+    # within a few refits only a near tie at the crossover is left (the history right after a
+    # detected shift is two seconds deep: its standard error is wide), and it keeps closing
+    assert next(i + 1 for i, x in enumerate(shifted) if x < 0.07) <= 4, shifted
+    assert shifted[-1] < 0.045 and all(b <= a for a, b in zip(shifted[3:], shifted[4:])), shifted
