@@ -65,6 +65,8 @@ class ServiceSettings:
             raise ValueError(f"mode must be 'online' or 'fixed', not {self.mode!r}")
         if self.refit_interval_s <= 0 or self.heartbeat_s <= 0 or self.half_life_s <= 0:
             raise ValueError("refit interval, heartbeat and half-life must be > 0")
+        if self.switch_z < 0 or not (0.0 <= self.margin <= 1.0 and 0.0 <= self.max_margin <= 1.0):
+            raise ValueError("switch_z must be >= 0, margin and max_margin in [0, 1]")
         if self.explore_period and self.explore_period < 50:
             raise ValueError("explore_period below 50 would explore more than 2% of steps")
 

@@ -286,3 +286,9 @@ def test_an_acceptance_shift_moves_the_table_within_a_few_refits(before, after):
     # detected shift is two seconds deep: its standard error is wide), and it keeps closing
     assert next(i + 1 for i, x in enumerate(shifted) if x < 0.07) <= 4, shifted
     assert shifted[-1] < 0.045 and all(b <= a for a, b in zip(shifted[3:], shifted[4:])), shifted
+
+
+@pytest.mark.parametrize("bad", [{"switch_z": -1.0}, {"max_margin": 1.5}, {"margin": -0.01}])
+def test_tolerance_settings_are_checked(bad):
+    with pytest.raises(ValueError, match="switch_z"):
+        ServiceSettings(**bad)
