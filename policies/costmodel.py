@@ -14,7 +14,7 @@ import numpy as np
 
 from .table import OFF, Config, PolicyTable, Row, rows_from_choices
 
-DEFAULT_MARGIN = 0.01  # a new best must beat the current choice by 1% to move a boundary
+DEFAULT_MARGIN = 0.01  # a new best must beat the current choice by at least 1% to move a boundary
 DEFAULT_MAX_MARGIN = 0.05  # however uncertain the estimates, a 5% shortfall is not kept
 DEFAULT_EXPLORE_PERIOD = 64  # one exploring step in 64 = 1.6% of steps (budget: 2%)
 

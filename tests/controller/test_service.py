@@ -292,3 +292,31 @@ def test_an_acceptance_shift_moves_the_table_within_a_few_refits(before, after):
 def test_tolerance_settings_are_checked(bad):
     with pytest.raises(ValueError, match="switch_z"):
         ServiceSettings(**bad)
+
+
+def _near_tie(lead):
+    """s2 and s3 whose goodput differs by `lead` (s3 ahead) at every batch size: the GPU sweep's
+    s2/s3 situation, where s3's extra drafts cost about what they bring."""
+    from specctl.training.synth import ConfigTruth, GroundTruth
+
+    accept = (0.7, 0.6, 0.5)
+    s2 = ConfigTruth((2, 1, 3), 7.0, 0.10, accept[:2])
+    k = (s2.tokens_per_step() + 0.7 * 0.6 * 0.5) / s2.tokens_per_step() / (1.0 + lead)
+    return GroundTruth((s2, ConfigTruth((3, 1, 4), 7.0 * k, 0.10 * k, accept)))
+
+
+def _table_changes(truth, switch_z, seconds=60, seed=0):
+    clock = Clock()
+    cands = tuple(c.config for c in truth.configs)
+    svc = ControllerService(ServiceSettings(candidates=cands, switch_z=switch_z), clock=clock)
+    tables = _feed_ticking(svc, clock, truth, seconds, list(range(1, 33)), seed)[5:]  # once learned
+    return sum(a.rows != b.rows for a, b in zip(tables, tables[1:])), tables[-1]
+
+
+def test_a_stationary_near_tie_does_not_churn_the_table():
+    churn_margin_only, _ = _table_changes(_near_tie(0.005), switch_z=0.0)
+    churn, _ = _table_changes(_near_tie(0.005), switch_z=2.0)
+    assert churn <= 4 < 10 <= churn_margin_only, (churn, churn_margin_only)
+    # a 2% lead on a minute of traffic is evidence: s3 everywhere, and it stays
+    churn, last = _table_changes(_near_tie(0.02), switch_z=2.0)
+    assert churn == 0 and last.configs() == [(3, 1, 4)]
