@@ -49,6 +49,11 @@ class ServiceSettings:
     # configurations the engines have runtime states for; None = those seen in telemetry + off
     candidates: Optional[tuple[Config, ...]] = None
     margin: float = cmpolicy.DEFAULT_MARGIN
+    # a boundary moves, and an island stands, only where the better configuration wins by more
+    # than this many standard errors of the goodput difference (acceptance and step time; see
+    # policies.costmodel.Tolerance); `margin` stays the floor. 0 = margin alone
+    switch_z: float = 2.0
+    max_margin: float = cmpolicy.DEFAULT_MAX_MARGIN  # the cap on that tolerance
     explore_period: int = cmpolicy.DEFAULT_EXPLORE_PERIOD
     min_region_samples: float = 16.0
     max_batch: int = 1024
@@ -60,6 +65,8 @@ class ServiceSettings:
             raise ValueError(f"mode must be 'online' or 'fixed', not {self.mode!r}")
         if self.refit_interval_s <= 0 or self.heartbeat_s <= 0 or self.half_life_s <= 0:
             raise ValueError("refit interval, heartbeat and half-life must be > 0")
+        if self.switch_z < 0 or not (0.0 <= self.margin <= 1.0 and 0.0 <= self.max_margin <= 1.0):
+            raise ValueError("switch_z must be >= 0, margin and max_margin in [0, 1]")
         if self.explore_period and self.explore_period < 50:
             raise ValueError("explore_period below 50 would explore more than 2% of steps")
 
@@ -215,7 +222,8 @@ class ControllerService:
             # batch sizes to have a slope worth trusting), and down to a quarter of its lowest
             reach = 4 if (n >= 4 and hi >= 4 * lo) else 2
             trusted = (b >= lo / 4.0) & (b <= hi * reach)
-            out.append(cmpolicy.Option(c, tau, self.model.predict_step_ms(c, b), trusted))
+            se = self.model.step_ms_rel_se(c, b) if self.settings.switch_z > 0 else None
+            out.append(cmpolicy.Option(c, tau, self.model.predict_step_ms(c, b), trusted, se))
         return out
 
     def _evidence_problem(self, options: list[cmpolicy.Option]) -> Optional[str]:
@@ -245,8 +253,12 @@ class ControllerService:
             # the current table's choice stays
             usable = set(self.candidates())
             base = current if all(c in usable for c in current.configs()) else None
+            z = self.settings.switch_z
             derived = cmpolicy.derive(options, previous=current if self.policy.source == "online" else None,
-                                      margin=self.settings.margin, default=base)
+                                      margin=self.settings.margin, default=base, z=z,
+                                      max_margin=self.settings.max_margin,
+                                      tau_log_var=self.model.tau_log_diff_var([o.config for o in options])
+                                      if z > 0 else None)
             explore = self._without_decided(explore, derived, options)
             explore = self._with_acceptance_probes(explore, derived, options)
             table = PolicyTable(rows=derived.rows, explore=explore,

@@ -14,7 +14,8 @@ import numpy as np
 
 from .table import OFF, Config, PolicyTable, Row, rows_from_choices
 
-DEFAULT_MARGIN = 0.01  # a new best must beat the current choice by 1% to move a boundary
+DEFAULT_MARGIN = 0.01  # a new best must beat the current choice by at least 1% to move a boundary
+DEFAULT_MAX_MARGIN = 0.05  # however uncertain the estimates, a 5% shortfall is not kept
 DEFAULT_EXPLORE_PERIOD = 64  # one exploring step in 64 = 1.6% of steps (budget: 2%)
 
 
@@ -24,13 +25,15 @@ class Option:
 
     `trusted` (optional, same length): where the prediction rests on measurements nearby rather
     than on a long extrapolation; a configuration is never chosen over, or abandoned for,
-    another where either is untrusted.
+    another where either is untrusted. `step_ms_se` (optional, same length): the relative
+    standard error of `step_ms`.
     """
 
     config: Config
     tokens_per_step: float
     step_ms: np.ndarray
     trusted: Optional[np.ndarray] = None
+    step_ms_se: Optional[np.ndarray] = None
 
     def goodput(self) -> np.ndarray:
         b = np.arange(1, len(self.step_ms) + 1, dtype=float)
@@ -39,6 +42,43 @@ class Option:
     def trust(self) -> np.ndarray:
         return np.ones(len(self.step_ms), bool) if self.trusted is None else np.asarray(self.trusted, bool)
 
+    def step_var(self) -> np.ndarray:
+        return np.zeros(len(self.step_ms)) if self.step_ms_se is None else np.asarray(self.step_ms_se, float) ** 2
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    """How much worse than the best a configuration may look and still be kept, per pair of
+    options and batch size: z standard errors of ln goodput(i) - ln goodput(j), at least
+    `margin` and at most `max_margin`.
+
+    ln goodput = ln b + ln tau - ln t, so the variance of the difference adds the tokens-per-step
+    part (`tau_log_var`: the variance of ln tau_i - ln tau_j, correlated where options share
+    measurements) and both step-time predictions' (`Option.step_ms_se`). Goodput estimates
+    closer than z of their standard errors are a tie the data cannot break: moving a boundary
+    for it follows noise. `margin` is the floor: a smaller difference is not worth a new table
+    even when it is certain. `max_margin` is the cap: keeping a configuration that looks worse
+    costs its apparent shortfall on every step, and the standard errors stop shrinking once the
+    estimates' windows are full (the acceptance EWMA's effective seconds, the step-time median's
+    recent values), so without a cap an engine whose step times scatter by 30% would stay with
+    its first choice, right or wrong. z = 0 (or no variances): `margin` alone.
+    """
+
+    margin: float = DEFAULT_MARGIN
+    z: float = 0.0
+    tau_log_var: Optional[np.ndarray] = None  # (options, options)
+    max_margin: float = DEFAULT_MAX_MARGIN
+
+    def between(self, options: Sequence[Option], i: int, j: int) -> np.ndarray:
+        """Allowed relative shortfall of option i against option j, per batch size."""
+        n = len(options[i].step_ms)
+        if self.z <= 0 or i == j:
+            return np.full(n, self.margin)
+        var = options[i].step_var() + options[j].step_var()
+        if self.tau_log_var is not None:
+            var = var + float(self.tau_log_var[i, j])
+        return np.clip(self.z * np.sqrt(var), self.margin, max(self.margin, self.max_margin))
+
 
 def goodput_matrix(options: Sequence[Option]) -> np.ndarray:
     """Tokens/s, shape (len(options), max batch)."""
@@ -46,17 +86,24 @@ def goodput_matrix(options: Sequence[Option]) -> np.ndarray:
 
 
 def choose(options: Sequence[Option], previous: Optional[PolicyTable] = None,
-           margin: float = DEFAULT_MARGIN, default: Optional[PolicyTable] = None) -> list[Config]:
+           margin: float = DEFAULT_MARGIN, default: Optional[PolicyTable] = None, *,
+           z: float = 0.0, tau_log_var: Optional[np.ndarray] = None,
+           max_margin: float = DEFAULT_MAX_MARGIN) -> list[Config]:
     """Per batch size (index 0 = batch 1), the chosen configuration.
 
-    Hysteresis: where the previous table's choice is still an option and within `margin` of the
-    best, it is kept, so estimates wobbling by a percent do not move a boundary back and forth.
+    Hysteresis: where the previous table's choice is still an option and its goodput is within
+    the tolerance of the best (see `Tolerance`: z standard errors of the difference, between
+    `margin` and `max_margin`), it is kept. So a boundary moves only when the new best wins by
+    more than the estimates can tell apart, and estimates wobbling within their noise do not
+    move it back and forth; a clear win moves it at the first refit that shows it. Then runs
+    whose advantage is within the tolerance are merged into a neighbour (`_merge_islands`).
     Partial evidence: where `default`'s choice is not a trusted option at a batch size (never
     measured there, or only by a long extrapolation), the default stays: there is nothing to
     compare it with.
     """
     if not options:
         raise ValueError("no options to choose from")
+    tol = Tolerance(margin, z, tau_log_var, max_margin)
     g = goodput_matrix(options)
     trust = np.vstack([o.trust() for o in options])
     gt = np.where(trust, g, -np.inf)
@@ -72,24 +119,54 @@ def choose(options: Sequence[Option], previous: Optional[PolicyTable] = None,
             out[b0], pinned[b0] = d, True
         elif out[b0] is None:  # nothing trusted and no default: the best extrapolation
             out[b0] = options[int(np.argmax(g[:, b0]))].config
+    allowed = _Allowed(options, tol, best)
     if previous is not None:
         for b0 in range(g.shape[1]):
             if pinned[b0]:
                 continue
             prev = previous.lookup(b0 + 1)
             j = idx.get(prev)
-            if j is not None and trust[j, b0] and g[j, b0] >= g[best[b0], b0] * (1.0 - margin):
+            if j is not None and trust[j, b0] and g[j, b0] >= g[best[b0], b0] * (1.0 - allowed.at(j, b0)):
                 out[b0] = prev
-    merged = _merge_islands([None if p else c for c, p in zip(out, pinned)], gt, idx, margin)
+    # the dead band of island merging (see _merge_islands) comes with the standard errors; with
+    # z = 0 the margin-only rule stays exactly as it was
+    had = [previous.lookup(b0 + 1) for b0 in range(g.shape[1])] if previous is not None and z > 0 else None
+    merged = _merge_islands([None if p else c for c, p in zip(out, pinned)], gt, idx, allowed, had)
     return [c if p else m for c, p, m in zip(out, pinned, merged)]  # type: ignore[misc]
 
 
+class _Allowed:
+    """Tolerance of option j against the best option at each batch size (`Tolerance.between`
+    computed once per pair)."""
+
+    def __init__(self, options: Sequence[Option], tol: Tolerance, best: np.ndarray):
+        self.options, self.tol, self.best = options, tol, best
+        self.cache: dict[tuple[int, int], np.ndarray] = {}
+
+    def at(self, j: int, b0: int) -> float:
+        i = int(self.best[b0])
+        t = self.cache.get((j, i))
+        if t is None:
+            t = self.cache[(j, i)] = self.tol.between(self.options, j, i)
+        return float(t[b0])
+
+    def __call__(self, j: int, a: int, e: int) -> np.ndarray:
+        return np.array([self.at(j, b0) for b0 in range(a, e)])
+
+
 def _merge_islands(choices: list[Config], g: np.ndarray, idx: dict[Config, int],
-                   margin: float) -> list[Config]:
+                   allowed: _Allowed, had: Optional[list[Config]] = None) -> list[Config]:
     """Absorb a run of batch sizes into a neighbouring run when the neighbour's configuration
-    is within `margin` of the best over the whole run: near-ties between two configurations
-    (s2 vs s3, say) otherwise fragment the table into noise-driven slivers. `g` is -inf where a
-    configuration is untrusted: a run is never merged into one untrusted there."""
+    is within tolerance of the best at every batch size of the run: near-ties between two
+    configurations (s2 vs s3, say) otherwise fragment the table into noise-driven slivers, and
+    an island whose advantage is within the uncertainty of the estimates is not evidence of
+    anything. Of two neighbours that qualify, the one fewer tolerances away wins. `g` is -inf
+    where a configuration is untrusted: a run is never merged into one untrusted there.
+
+    Where the previous table (`had`) already ran the run's configuration, the neighbour must be
+    within half the tolerance: a dead band between making an island (the hysteresis in `choose`
+    lets a new best in only beyond the full tolerance) and unmaking it, so that an advantage
+    hovering at the tolerance does not add and remove the island at alternate refits."""
     out = list(choices)
     best = g.max(axis=0)
     # None marks pinned batch sizes (partial evidence): they are never merged into or from
@@ -114,9 +191,12 @@ def _merge_islands(choices: list[Config], g: np.ndarray, idx: dict[Config, int],
                 known = np.isfinite(bb)  # -inf: nothing trusted there, any choice is a guess
                 ratio = np.where(known, g[idx[c], a:e] / np.where(known, bb, 1.0), 1.0)
                 ratio = np.where(np.isfinite(ratio), ratio, -1.0)  # c untrusted where others are
-                loss = 1.0 - float(np.min(ratio))
-                if loss <= margin:
-                    scored.append((loss, c))
+                loss = 1.0 - ratio
+                tol = allowed(idx[c], a, e)
+                if had is not None:
+                    tol = np.where([had[b0] == own for b0 in range(a, e)], 0.5 * tol, tol)
+                if np.all(loss <= tol):
+                    scored.append((float(np.max(loss / np.maximum(tol, 1e-12))), c))
             if scored:
                 c = min(scored)[1]
                 out[a:e] = [c] * (e - a)
@@ -140,8 +220,10 @@ def explore_rows(coverage: dict[Config, Sequence[tuple[int, int, float]]],
 def derive(options: Sequence[Option], *, previous: Optional[PolicyTable] = None,
            margin: float = DEFAULT_MARGIN, explore: Sequence[Row] = (),
            explore_period: int = DEFAULT_EXPLORE_PERIOD, version: int = 0,
-           source: str = "online", default: Optional[PolicyTable] = None) -> PolicyTable:
-    choices = choose(options, previous, margin, default)
+           source: str = "online", default: Optional[PolicyTable] = None,
+           z: float = 0.0, tau_log_var: Optional[np.ndarray] = None,
+           max_margin: float = DEFAULT_MAX_MARGIN) -> PolicyTable:
+    choices = choose(options, previous, margin, default, z=z, tau_log_var=tau_log_var, max_margin=max_margin)
     rows = rows_from_choices(choices)
     if len(rows) > 256:  # pathological near-ties: drop hysteresis rather than ship a huge table
         rows = rows_from_choices(choose(options, None, 0.0, default))
@@ -155,4 +237,4 @@ def crossover(table: PolicyTable) -> Optional[int]:
     return table.spec_off_crossover()
 
 
-__all__ = ["Option", "choose", "derive", "explore_rows", "goodput_matrix", "crossover", "OFF"]
+__all__ = ["Option", "Tolerance", "choose", "derive", "explore_rows", "goodput_matrix", "crossover", "OFF"]

@@ -91,6 +91,11 @@ class _AcceptCell:
     Requests are gathered per second of timestamps and each second counts for at most
     ACCEPT_CAP_PER_S requests when folded in: recent seconds dominate even when they are sparse
     (a chain probed on 1 step in 64 while plain decode runs) and older ones were dense.
+
+    For the estimate's standard error each folded second is one cluster: with y its tail counts
+    as folded (y[i] = weight of requests with >= i accepted drafts), `sq` keeps the decayed sum of
+    y y^T (how much the seconds scatter) and `q` that of wa * y (the within-second binomial
+    variance of a second worth at most ACCEPT_CAP_PER_S requests); both decay at twice the rate.
     """
 
     hist: list  # index a = accepted drafts (0..steps); a plain list: cheap scalar updates
@@ -99,8 +104,11 @@ class _AcceptCell:
     pend: Optional[list] = None  # raw counts of the second being gathered
     pend_second: Optional[int] = None
     pend_wa: float = 0.0  # decay scale of that second
-    # the last folded second, while it disagreed with the history before it: (sign, its counts)
-    flagged: Optional[tuple[int, list]] = None
+    # the last folded second, while it disagreed with the history before it:
+    # (sign, its counts as folded, its decay scale)
+    flagged: Optional[tuple[int, list, float]] = None
+    sq: Optional[np.ndarray] = None  # (steps+1, steps+1)
+    q: Optional[np.ndarray] = None  # (steps+1,)
 
     def fold(self, change_z: float = 0.0) -> Optional[float]:
         """Fold the gathered second into the history. With `change_z` > 0, two folded seconds in
@@ -120,17 +128,28 @@ class _AcceptCell:
                 if sign and self.flagged is not None and self.flagged[0] == sign:
                     before = sum(self.hist)
                     self.hist = list(self.flagged[1])
+                    self.sq, self.q = _moments(self.flagged[1], self.flagged[2])
                     shrunk = sum(self.hist) / before if before > 0 else None
                     self.flagged = None
                 else:
-                    self.flagged = (sign, add) if sign else None
+                    self.flagged = (sign, add, self.pend_wa) if sign else None
             h = self.hist
             for k, x in enumerate(add):
                 if x:
                     h[k] += x
+            sq, q = _moments(add, self.pend_wa)
+            self.sq = sq if self.sq is None else self.sq + sq
+            self.q = q if self.q is None else self.q + q
         self.pend = None
         self.pend_second = None
         return shrunk
+
+    def scale(self, f: float) -> None:
+        """Age the history by `f` (a weight factor): counts by f, second moments by f**2."""
+        self.hist = [x * f for x in self.hist]
+        if self.sq is not None:
+            self.sq = self.sq * (f * f)
+            self.q = self.q * (f * f)  # type: ignore[operator]
 
     def _deviation(self, p: list, n: int, z: float) -> int:
         """+1 / -1 when the counts `p` (n requests) accept more / fewer drafts per request than
@@ -154,6 +173,24 @@ class _AcceptCell:
             return self.hist
         f = self.pend_wa * min(1.0, ACCEPT_CAP_PER_S / sum(p))
         return [h + x * f for h, x in zip(self.hist, p)]
+
+    def current_moments(self) -> tuple[np.ndarray, np.ndarray]:
+        """(sq, q) with the second being gathered counted as one more cluster (no mutation)."""
+        k = len(self.hist)
+        sq = np.zeros((k, k)) if self.sq is None else self.sq
+        q = np.zeros(k) if self.q is None else self.q
+        p = self.pend
+        if p is not None and sum(p):
+            f = self.pend_wa * min(1.0, ACCEPT_CAP_PER_S / sum(p))
+            s2, q2 = _moments([x * f for x in p], self.pend_wa)
+            sq, q = sq + s2, q + q2
+        return sq, q
+
+
+def _moments(add: Sequence[float], wa: float) -> tuple[np.ndarray, np.ndarray]:
+    """One second's cluster terms: y y^T and wa * y, y = tail counts of its (folded) histogram."""
+    y = np.cumsum(np.asarray(add, dtype=float)[::-1])[::-1]
+    return np.outer(y, y), wa * y
 
 
 class CostModel:
@@ -187,6 +224,8 @@ class CostModel:
         self.num_warmup_dropped_: int = 0
         self.num_accept_changes_: int = 0  # acceptance histories replaced on a detected shift
         self.fitted_: Optional[dict[Config, "_TimeFit"]] = None
+        self.cell_cv_: dict[tuple[Config, int], float] = {}  # robust step-time cv per cell, at refit
+        self.step_cv_: Optional[float] = None
 
     def fit(self, samples: Iterable[Sample]) -> "CostModel":
         self._reset()
@@ -220,10 +259,10 @@ class CostModel:
             cell.weight *= f
             cell.warm_weight *= f
         for acc in self.accept_.values():
-            acc.hist = [x * fa for x in acc.hist]
+            acc.scale(fa)
             acc.pend_wa *= fa
             if acc.flagged is not None:
-                acc.flagged = (acc.flagged[0], [x * fa for x in acc.flagged[1]])
+                acc.flagged = (acc.flagged[0], [x * fa for x in acc.flagged[1]], acc.flagged[2] * fa)
             acc.mean_sum *= fa
             acc.mean_weight *= fa
         self.t0_ = ts
@@ -254,7 +293,7 @@ class CostModel:
                         # ages the others' history alike
                         for k, other in self.accept_.items():
                             if k != c and k[1] == 1:
-                                other.hist = [x * shrunk for x in other.hist]
+                                other.scale(shrunk)
                                 other.flagged = None
                     acc.pend = [0] * (steps + 1)
                     acc.pend_second = second
@@ -321,6 +360,9 @@ class CostModel:
             if len(f.b) == 1 and shape is not None:
                 f.borrow_shape(shape)
         self.fitted_ = fits
+        self.cell_cv_ = {k: _robust_cv(values) for k, values in
+                         ((k, cell.settled()[0]) for k, cell in self.times_.items()) if len(values) >= MIN_SETTLED}
+        self.step_cv_ = float(np.median(list(self.cell_cv_.values()))) if self.cell_cv_ else None
         return self
 
     def _check(self) -> dict[Config, "_TimeFit"]:
@@ -395,6 +437,167 @@ class CostModel:
                 return 1.0 + float((np.arange(len(h)) * h).sum() / h.sum())
         return 1.0 + float(np.cumprod(a).sum())
 
+    def tau_log_diff_var(self, configs: Sequence[Config]) -> np.ndarray:
+        """Variance of ln tau(c_i) - ln tau(c_j) for every pair of `configs` (n x n, 0 on the
+        diagonal; inf where a tau is unknown).
+
+        Chains share the pooled per-position acceptances a_p, so their taus are correlated and
+        the variance of a difference is (g_i - g_j)^T Cov(a) (g_i - g_j), with g = d ln tau / d a
+        (the delta method). Cov(a) is estimated two ways and the larger variance is kept:
+        - between seconds: each folded second is a cluster, and a_p = A_p / R_p is a ratio
+          estimator over them; its cluster-robust (sandwich) variance sum_k w_k^2 (A_pk - a_p
+          R_pk)^2 / R_p^2 measures how much the seconds the decayed average is made of disagree,
+          traffic fluctuations and per-request correlation included. It is scaled by K / (K - 1),
+          K = (sum w_k)^2 / sum w_k^2 the effective number of seconds behind the average (about
+          23 for an 8 s half-life at steady traffic; 2 right after a detected shift);
+        - within seconds: binomial, a_p (1 - a_p) over the effective number of requests, each
+          second worth at most ACCEPT_CAP_PER_S as when folded; the floor where the seconds
+          happen to agree, or are too few (K <= 1) to say.
+        A deeper position's trend prior adds PRIOR_REQUESTS binomial pseudo-requests. Trees (and
+        interval-averaged sources) measure tau directly and count as independent of the rest.
+        """
+        keys = [tuple(c) for c in configs]
+        n = len(keys)
+        grads: list[Optional[np.ndarray]] = []
+        own_var = np.zeros(n)
+        depth = max((c[0] for c in keys if c[1] == 1), default=0)
+        chain = self._chain_cov(depth) if depth > 0 else None
+        for i, c in enumerate(keys):
+            tau = self.tokens_per_step(c)  # type: ignore[arg-type]
+            grads.append(None)
+            if c[0] == 0:
+                continue
+            if tau is None:
+                own_var[i] = math.inf
+                continue
+            acc = self.accept_.get(c)  # type: ignore[arg-type]
+            interval_only = acc is not None and sum(acc.current()) <= 0 and acc.mean_weight > 0
+            if c[1] == 1 and chain is not None and not interval_only:
+                a = chain[0][: c[0]]
+                # tau = 1 + sum_i prod_{j<=i} a_j, so d tau / d a_m =
+                # prod_{j<m} a_j * (1 + sum_{i>m} prod_{m<j<=i} a_j)
+                g = np.zeros(depth)
+                for m in range(c[0]):
+                    g[m] = np.prod(a[:m]) * (1.0 + np.sum(np.cumprod(a[m + 1:])))
+                grads[i] = g / tau
+            else:
+                own_var[i] = self._direct_tau_var(c) / (tau * tau)  # type: ignore[arg-type]
+        out = np.zeros((n, n))
+        for i in range(n):
+            for j in range(i + 1, n):
+                v = own_var[i] + own_var[j]
+                gi, gj = grads[i], grads[j]
+                if gi is not None or gj is not None:
+                    d = (gi if gi is not None else 0.0) - (gj if gj is not None else 0.0)
+                    v += max(float(d @ chain[1] @ d), float(d @ chain[2] @ d))  # type: ignore[index]
+                out[i, j] = out[j, i] = v
+        return out
+
+    def _chain_cov(self, depth: int) -> Optional[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+        """(a, between-seconds Cov(a), within-seconds Cov(a)) of the pooled chain positions
+        1..depth, as acceptance_by_position computes a (see tau_log_diff_var)."""
+        a = self.acceptance_by_position((depth, 1, depth + 1))
+        if a is None:
+            return None
+        f = self._now_factor(self.accept_half_life_s)
+        reached = np.zeros(depth)
+        resid = np.zeros((depth, depth))  # sum over seconds of u u^T, u_p = y_{p+1} - a_p y_p
+        binom = np.zeros(depth)
+        y0 = y00 = 0.0
+        for k, cell in self.accept_.items():
+            if k[1] != 1:
+                continue
+            h = np.asarray(cell.current(), dtype=float)
+            sq, q = cell.current_moments()
+            m = min(len(h) - 1, depth)
+            tail = np.cumsum(h[::-1])[::-1]
+            reached[:m] += tail[:m]
+            lin = np.zeros((m, len(h)))  # u = lin @ y
+            lin[np.arange(m), np.arange(m) + 1] = 1.0
+            lin[np.arange(m), np.arange(m)] = -a[:m]
+            resid[:m, :m] += lin @ sq @ lin.T
+            binom[:m] += q[:m]
+            y0 += tail[0]
+            y00 += sq[0, 0]
+        prior = np.where(np.arange(depth) > 0, PRIOR_REQUESTS, 0.0)
+        denom = reached * f + prior
+        if denom[0] <= 0:
+            return None
+        ab = a * (1.0 - a)
+        outer = np.outer(denom, denom)
+        k_eff = y0 * y0 / y00 if y00 > 0 else 0.0
+        between = resid * (f * f) * (k_eff / (k_eff - 1.0)) / outer if k_eff > 1.0 + 1e-9 else np.zeros_like(resid)
+        within = np.diag((binom * f * f + prior) * ab / (denom * denom))
+        between += np.diag(prior * ab / (denom * denom))
+        return a, between, within
+
+    def _direct_tau_var(self, c: Config) -> float:
+        """Variance of E[accepted drafts] measured on c's own histogram (trees, interval sources)."""
+        acc = self.accept_.get(c)
+        if acc is None:
+            return math.inf
+        h = np.asarray(acc.current(), dtype=float)
+        f = self._now_factor(self.accept_half_life_s)
+        if h.sum() <= 0:
+            n = acc.mean_weight * f
+            m = acc.mean_sum / acc.mean_weight if acc.mean_weight > 0 else 0.0
+            return max(ACCEPT_VAR_FLOOR, m * (c[0] - m) / max(c[0], 1)) / n if n > 0 else math.inf
+        sq, q = acc.current_moments()
+        ks = np.arange(len(h))
+        mean = float((ks * h).sum() / h.sum())
+        var_req = max(ACCEPT_VAR_FLOOR, float(((ks - mean) ** 2 * h).sum() / h.sum()))
+        w = np.ones(len(h))
+        w[0] = -mean  # sum_{i>=1} y_i - mean * y_0 = accepted - mean * requests
+        y0 = h.sum()
+        k_eff = y0 * y0 / sq[0, 0] if sq[0, 0] > 0 else 0.0
+        between = float(w @ sq @ w) / (y0 * y0) * (k_eff / (k_eff - 1.0)) if k_eff > 1.0 + 1e-9 else 0.0
+        within = var_req * float(q[0]) / (y0 * y0)
+        return max(between, within)
+
+    def step_ms_rel_se(self, c: Config, batch_sizes: Sequence[int] | np.ndarray) -> np.ndarray:
+        """Relative standard error of the predicted step time of c at each batch size.
+
+        - Noise, at a measured batch size: the prediction is the median of its n recent values
+          (isotonic pooling aside, which only narrows it), off by about 1.25 cv / sqrt(n), n at
+          most the cell's decayed weight. cv is the engine's noise (step_time_cv, pooled over
+          cells), or the cell's own robust cv where that is larger: some batch sizes are
+          noisier than most. Between measured batch sizes the prediction interpolates them, and
+          so does this variance; beyond them it is the nearest end's.
+        - Where the batch size was not measured: step time is monotone in b, so between two
+          measured batch sizes the true value is anywhere between the two measured ones, a
+          uniform spread over the gap adding (gap / t)^2 / 12; beyond the measured range,
+          anywhere between the end's value and twice the linear extrapolation's distance from
+          it, adding (distance / t)^2 / 3.
+        The noise part is 0 while the engine's noise is unknown."""
+        bs = np.asarray(batch_sizes, dtype=float)
+        f = self._check().get(tuple(c))  # type: ignore[arg-type]
+        if f is None:
+            raise KeyError(f"no step-time measurements for {config_name(c)}")
+        if not len(bs):
+            return np.zeros(0)
+        pooled = self.step_time_cv()
+        now = self._now_factor()
+        var = []
+        for b in f.b:
+            key = (tuple(c), int(b))
+            values, weight = self.times_[key].settled()  # type: ignore[index]
+            n = min(float(len(values)), weight * now)
+            cv = max(pooled or 0.0, self.cell_cv_.get(key, 0.0))  # type: ignore[arg-type]
+            var.append((1.25 * cv) ** 2 / n if n > 0 else math.inf)
+        var_b = np.asarray(var) if pooled is not None else np.zeros(len(f.b))
+        pred = np.maximum(f.predict(bs), 1e-9)
+        outside = np.where(bs < f.b[0], f.predict(f.b[:1])[0] - pred,
+                           np.where(bs > f.b[-1], pred - f.predict(f.b[-1:])[0], 0.0)) / pred
+        if len(f.b) == 1:
+            return np.sqrt(var_b[0] + outside ** 2 / 3.0)
+        x = np.clip(bs, f.b[0], f.b[-1])
+        hi = np.clip(np.searchsorted(f.b, x), 1, len(f.b) - 1)
+        lo = hi - 1
+        lam = (x - f.b[lo]) / (f.b[hi] - f.b[lo])
+        gap = np.where((lam > 0) & (lam < 1), (f.y[hi] - f.y[lo]) / pred, 0.0)
+        return np.sqrt((1.0 - lam) ** 2 * var_b[lo] + lam ** 2 * var_b[hi] + gap ** 2 / 12.0
+                       + outside ** 2 / 3.0)
+
     def accept_weight(self, c: Config) -> float:
         """Decayed number of requests behind tau(c) (for uncertainty reporting)."""
         acc = self.accept_.get(tuple(c))  # type: ignore[arg-type]
@@ -423,19 +626,12 @@ class CostModel:
 
     def step_time_cv(self) -> Optional[float]:
         """Robust coefficient of variation of the step time at a fixed configuration and batch
-        size: the median over (configuration, batch size) cells of 1.4826 * MAD / median of
-        their recent values; None while no cell has MIN_SETTLED values. Pooled because the
+        size, as of the last refit: the median over (configuration, batch size) cells of
+        1.4826 * MAD / median of their recent values; None while no cell has MIN_SETTLED
+        values. Pooled because the
         noise is the engine's (scheduling, clocks), and a configuration that is only explored
         now and then never gathers enough values of its own."""
-        cvs = []
-        for cell in self.times_.values():
-            values, _ = cell.settled()
-            if len(values) >= MIN_SETTLED:
-                v = np.asarray(values, dtype=float)
-                med = float(np.median(v))
-                if med > 0:
-                    cvs.append(1.4826 * float(np.median(np.abs(v - med))) / med)
-        return float(np.median(cvs)) if cvs else None
+        return getattr(self, "step_cv_", None)
 
     def step_samples(self, c: Config) -> float:
         """Decayed step-time samples of c (all batch sizes), as of the newest timestamp."""
@@ -474,7 +670,8 @@ class CostModel:
             "num_samples": self.num_samples_, "warmup_dropped": self.num_warmup_dropped_,
             "times": [[list(c), b, cell.weight, list(cell.recent), cell.warm_weight, list(cell.warm)]
                       for (c, b), cell in self.times_.items()],
-            "accept": [[list(c), list(a.current()), a.mean_sum, a.mean_weight] for c, a in self.accept_.items()],
+            "accept": [[list(c), list(a.current()), a.mean_sum, a.mean_weight,
+                        *(m.tolist() for m in a.current_moments())] for c, a in self.accept_.items()],
         }
 
     def set_state(self, state: dict[str, Any]) -> "CostModel":
@@ -490,9 +687,13 @@ class CostModel:
             cell.recent.extend(float(x) for x in recent[-RING:])
             cell.warm.extend(float(x) for x in warm[-RING:])
             self.times_[(tuple(c), int(b))] = cell  # type: ignore[index]
-        for c, hist, ms, mw in state["accept"]:
-            self.accept_[tuple(c)] = _AcceptCell(hist=[float(x) for x in hist],  # type: ignore[index]
-                                                 mean_sum=float(ms), mean_weight=float(mw))
+        for c, hist, ms, mw, *moments in state["accept"]:
+            cell = _AcceptCell(hist=[float(x) for x in hist], mean_sum=float(ms), mean_weight=float(mw))
+            if moments:  # absent in states written before standard errors were kept
+                k = len(cell.hist)
+                cell.sq = np.asarray(moments[0], dtype=float).reshape(k, k)
+                cell.q = np.asarray(moments[1], dtype=float).reshape(k)
+            self.accept_[tuple(c)] = cell  # type: ignore[index]
         return self.refit()
 
     def summary(self, max_batch: Optional[int] = None) -> dict[str, Any]:
@@ -575,6 +776,15 @@ class _TimeFit:
         out[below] = self.y[0] - self.slope_lo * (lo - x[below])
         out[above] = self.y[-1] + self.slope_hi * (x[above] - hi)
         return np.maximum(out, 1e-6)
+
+
+def _robust_cv(values: Sequence[float]) -> float:
+    """1.4826 * MAD / median (0 for a non-positive median); plain Python: a few dozen values."""
+    n = len(values)
+    v = sorted(values)
+    med = 0.5 * (v[n // 2] + v[(n - 1) // 2])
+    dev = sorted(abs(x - med) for x in v)
+    return 1.4826 * 0.5 * (dev[n // 2] + dev[(n - 1) // 2]) / med if med > 0 else 0.0
 
 
 def _end_slope(b: np.ndarray, y: np.ndarray, w: np.ndarray, *, low: bool) -> float:

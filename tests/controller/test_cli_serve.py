@@ -14,11 +14,13 @@ def test_serve_passes_the_model_settings(tmp_path, monkeypatch):
     monkeypatch.setattr(daemon, "serve_forever", fake_serve_forever)
     run = tmp_path / "run"
     res = CliRunner().invoke(cli.main, ["serve", "--state-dir", str(tmp_path / "state"), "--accept-change-z", "0",
-                                        "--explore-decided-z", "2.5", "--accept-half-life", "4"],
+                                        "--explore-decided-z", "2.5", "--accept-half-life", "4",
+                                        "--switch-z", "3", "--max-margin", "0.08"],
                              env={"SPECCTL_RUNDIR": str(run)})
     assert res.exit_code == 0, res.output
     s = got["settings"]
     assert (s.accept_change_z, s.explore_decided_z, s.accept_half_life_s) == (0.0, 2.5, 4.0)
+    assert (s.switch_z, s.max_margin) == (3.0, 0.08)
     res = CliRunner().invoke(cli.main, ["serve", "--accept-change-z", "-1"], env={"SPECCTL_RUNDIR": str(run)})
     assert res.exit_code != 0 and "accept-change-z" in res.output
 

@@ -237,3 +237,86 @@ def test_exploration_stops_where_the_evidence_is_decisive(crossover, z, explored
     svc.tick()
     rows = {(r.min_batch, r.max_batch) for r in (svc.policy.explore or []) if r.config.key == (3, 1, 4)}
     assert ((32, 63) in rows) == explored
+
+
+def _feed_ticking(svc, clock, truth, seconds, bs, seed):
+    """Telemetry of `truth` for `seconds`, the service ticking once a second as the daemon does;
+    the table after each refit."""
+    out, end, next_tick = [], clock.t + seconds, clock.t + 1.0
+    for r in generate(truth, num_steps=10 ** 9, batch_sizes=bs, seed=seed, t0=clock.t):
+        if r["ts"] >= end:
+            break
+        while r["ts"] >= next_tick:
+            clock.t = next_tick
+            svc.tick()
+            out.append(table(svc))
+            next_tick += 1.0
+        clock.t = r["ts"]
+        svc.observe_frame(json.dumps(r).encode())
+    return out
+
+
+def _shortfall(t, truth, bs):
+    """The largest goodput the table gives up against the truth's best choice, over `bs`."""
+    by_config = {c.config: c for c in truth.configs}
+    best = truth.best(max(bs))
+    return max(1.0 - truth.goodput(by_config[t.lookup(b)], b) / truth.goodput(by_config[best[b - 1]], b)
+               for b in bs)
+
+
+ACCEPT = {"code": (0.9, 0.85, 0.8), "chat": (0.55, 0.45, 0.4)}
+
+
+@pytest.mark.parametrize("before, after", [("code", "chat"), ("chat", "code")])
+def test_an_acceptance_shift_moves_the_table_within_a_few_refits(before, after):
+    from dataclasses import replace
+
+    from specctl.training.synth import GroundTruth
+
+    off, s3 = truth_with_crossover(40, accept=ACCEPT["code"]).configs  # chat: crossover 12
+    truths = {k: GroundTruth((off, replace(s3, accept=a))) for k, a in ACCEPT.items()}
+    clock = Clock()
+    svc = ControllerService(ServiceSettings(candidates=(off.config, s3.config)), clock=clock)
+    bs = list(range(1, 90))
+    settled = _feed_ticking(svc, clock, truths[before], 40, bs, seed=0)[-1]
+    assert _shortfall(settled, truths[before], bs) < 0.03
+    assert _shortfall(settled, truths[after], bs) > 0.15  # wrong for the new traffic
+    shifted = [_shortfall(t, truths[after], bs) for t in _feed_ticking(svc, clock, truths[after], 20, bs, seed=1)]
+    # within a few refits only a near tie at the crossover is left (the history right after a
+    # detected shift is two seconds deep: its standard error is wide), and it keeps closing
+    assert next(i + 1 for i, x in enumerate(shifted) if x < 0.07) <= 4, shifted
+    assert shifted[-1] < 0.045 and all(b <= a for a, b in zip(shifted[3:], shifted[4:])), shifted
+
+
+@pytest.mark.parametrize("bad", [{"switch_z": -1.0}, {"max_margin": 1.5}, {"margin": -0.01}])
+def test_tolerance_settings_are_checked(bad):
+    with pytest.raises(ValueError, match="switch_z"):
+        ServiceSettings(**bad)
+
+
+def _near_tie(lead):
+    """s2 and s3 whose goodput differs by `lead` (s3 ahead) at every batch size: the GPU sweep's
+    s2/s3 situation, where s3's extra drafts cost about what they bring."""
+    from specctl.training.synth import ConfigTruth, GroundTruth
+
+    accept = (0.7, 0.6, 0.5)
+    s2 = ConfigTruth((2, 1, 3), 7.0, 0.10, accept[:2])
+    k = (s2.tokens_per_step() + 0.7 * 0.6 * 0.5) / s2.tokens_per_step() / (1.0 + lead)
+    return GroundTruth((s2, ConfigTruth((3, 1, 4), 7.0 * k, 0.10 * k, accept)))
+
+
+def _table_changes(truth, switch_z, seconds=60, seed=0):
+    clock = Clock()
+    cands = tuple(c.config for c in truth.configs)
+    svc = ControllerService(ServiceSettings(candidates=cands, switch_z=switch_z), clock=clock)
+    tables = _feed_ticking(svc, clock, truth, seconds, list(range(1, 33)), seed)[5:]  # once learned
+    return sum(a.rows != b.rows for a, b in zip(tables, tables[1:])), tables[-1]
+
+
+def test_a_stationary_near_tie_does_not_churn_the_table():
+    churn_margin_only, _ = _table_changes(_near_tie(0.005), switch_z=0.0)
+    churn, _ = _table_changes(_near_tie(0.005), switch_z=2.0)
+    assert churn <= 4 < 10 <= churn_margin_only, (churn, churn_margin_only)
+    # a 2% lead on a minute of traffic is evidence: s3 everywhere, and it stays
+    churn, last = _table_changes(_near_tie(0.02), switch_z=2.0)
+    assert churn == 0 and last.configs() == [(3, 1, 4)]

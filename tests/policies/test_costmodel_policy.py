@@ -60,3 +60,70 @@ def test_untrusted_extrapolation_never_wins_or_absorbs_a_run():
     assert choices[0] == S3 and all(c == OFF for c in choices[8:])
     # with no default at all the best extrapolation fills in (no crash, no None)
     assert all(c in (OFF, S3) for c in choose([off, s3]))
+
+
+S2 = chain(2)
+FLAT_MS = np.full(len(B), 10.0)
+
+
+def _pair(gain, se):
+    """s2 and s3 at the same step time, s3 emitting `gain` more tokens a step; the log tau
+    difference known to standard error `se`."""
+    return [Option(S2, 1.7, FLAT_MS), Option(S3, 1.7 * (1.0 + gain), FLAT_MS)], np.array([[0.0, se ** 2], [se ** 2, 0.0]])
+
+
+@pytest.mark.parametrize("gain, se, z, switches", [
+    (0.02, 0.02, 2.0, False),   # a near tie on few samples (SE 2%): a 2% lead is noise
+    (0.02, 0.02, 0.0, True),    # the margin alone (1%) takes it
+    (0.05, 0.005, 2.0, True),   # a clear win on enough samples: the first refit that shows it
+    (0.02, 0.005, 2.0, True),   # 2% with SE 0.5%: beyond 2 standard errors
+    (0.008, 0.0, 2.0, False),   # certain, but below the 1% margin: not worth a new table
+    (-0.05, 0.005, 2.0, False),  # the current choice is the better one
+])
+def test_a_new_best_moves_the_table_only_beyond_its_uncertainty(gain, se, z, switches):
+    options, var = _pair(gain, se)
+    current = PolicyTable(rows=(Row(1, None, S2),))
+    t = derive(options, previous=current, z=z, tau_log_var=var)
+    assert t.configs() == ([S3] if switches else [S2])
+
+
+def test_step_time_uncertainty_counts_too():
+    options, var = _pair(0.02, 0.0)
+    current = PolicyTable(rows=(Row(1, None, S2),))
+    assert derive(options, previous=current, z=2.0, tau_log_var=var).configs() == [S3]
+    # the same lead where each step time is known to 1.5% only (the difference: 2.1%)
+    noisy = [Option(o.config, o.tokens_per_step, o.step_ms, step_ms_se=np.full(len(B), 0.015)) for o in options]
+    assert derive(noisy, previous=current, z=2.0, tau_log_var=var).configs() == [S2]
+
+
+def _island(adv, se):
+    """s3 best everywhere but at batch 59-63, where s1 leads by `adv` (and trails by 10%
+    elsewhere); the log tau difference known to standard error `se`."""
+    s3 = Option(S3, 2.0, FLAT_MS)
+    ratio = np.where((B >= 59) & (B <= 63), 1.0 + adv, 0.9)
+    s1 = Option(S1, 1.5, 10.0 * 1.5 / (2.0 * ratio))
+    return [s1, s3], np.array([[0.0, se ** 2], [se ** 2, 0.0]])
+
+
+@pytest.mark.parametrize("adv, se, island", [
+    (0.015, 0.01, False),  # within 2 standard errors (2%): absorbed
+    (0.05, 0.01, True),    # 5%: a real island
+    (0.015, 0.002, True),  # the same 1.5% known to 0.2%: kept (tolerance = the 1% margin)
+])
+def test_an_island_stands_only_beyond_its_uncertainty(adv, se, island):
+    options, var = _island(adv, se)
+    choices = choose(options, z=2.0, tau_log_var=var)
+    assert (choices[60] == S1) == island
+    assert choices[10] == S3 and choices[100] == S3
+
+
+def test_an_island_is_neither_made_nor_unmade_inside_the_dead_band():
+    # s1 leads at 59-63 by 1.5%: inside the tolerance (2%), outside half of it (1%)
+    options, var = _island(0.015, 0.01)
+    without = PolicyTable(rows=(Row(1, None, S3),))
+    with_island = PolicyTable(rows=(Row(1, 58, S3), Row(59, 63, S1), Row(64, None, S3)))
+    assert derive(options, previous=without, z=2.0, tau_log_var=var).rows == without.rows
+    assert derive(options, previous=with_island, z=2.0, tau_log_var=var).rows == with_island.rows
+    # once the lead falls within half the tolerance the island goes
+    options, var = _island(0.005, 0.01)
+    assert derive(options, previous=with_island, z=2.0, tau_log_var=var).rows == without.rows

@@ -201,3 +201,64 @@ def test_a_shift_seen_on_one_chain_ages_the_pooled_history_of_the_others():
           + list(_chain_steps(easy, 60, 0.0)) + list(_chain_steps(hard, 3.5, 60.0, seed=1)))
     assert m.num_accept_changes_ >= 1
     assert m.acceptance_by_position(S3)[0] == pytest.approx(0.45, abs=0.08)
+
+
+def _log_tau_ratio_and_var(m, c=S3, ref=S2):
+    return float(np.log(m.tokens_per_step(c) / m.tokens_per_step(ref))), float(m.tau_log_diff_var([ref, c])[0, 1])
+
+
+@pytest.mark.parametrize("batch, steps_per_s, calibrated", [
+    (1, 50, True),    # under ACCEPT_CAP_PER_S requests a second: the estimate's own spread
+    (8, 100, False),  # 800 a second, counted as 64: conservative (a second is worth at most 64)
+])
+def test_tau_difference_variance_follows_the_spread_of_the_estimate(batch, steps_per_s, calibrated):
+    accept = (0.7, 0.6, 0.5)
+    got, predicted = [], []
+    for seed in range(40):
+        m = CostModel().fit(_chain_steps(accept, 30, 0.0, batch=batch, steps_per_s=steps_per_s, seed=seed))
+        d, v = _log_tau_ratio_and_var(m)
+        got.append(d)
+        predicted.append(v)
+    ratio = np.sqrt(np.mean(predicted)) / np.std(got, ddof=1)
+    assert (0.8 < ratio < 1.5) if calibrated else ratio > 1.0
+
+
+def test_tau_difference_variance_shrinks_with_evidence_and_grows_after_a_shift():
+    easy, hard = (0.9, 0.85, 0.8), (0.45, 0.4, 0.35)
+    few = CostModel().fit(_chain_steps(easy, 2, 0.0, batch=1, steps_per_s=20))
+    many = CostModel().fit(_chain_steps(easy, 30, 0.0, batch=1, steps_per_s=20))
+    assert _log_tau_ratio_and_var(many)[1] < 0.5 * _log_tau_ratio_and_var(few)[1]
+    # chains share positions: s2 vs s3 differ by position 3 only, s1 vs s3 by positions 2-3
+    v = many.tau_log_diff_var([S1, S2, S3, OFF])
+    assert 0 < v[1, 2] < v[0, 2] and v[3, 3] == 0.0 and v[3, 2] > 0
+    # a detected shift replaces the history by two seconds: less evidence, a wider estimate
+    m = CostModel(accept_change_z=3.0).fit(list(_chain_steps(easy, 30, 0.0)) + list(_chain_steps(hard, 2.5, 30.0, seed=1)))
+    before = CostModel(accept_change_z=3.0).fit(_chain_steps(easy, 30, 0.0))
+    assert m.num_accept_changes_ == 1
+    assert _log_tau_ratio_and_var(m)[1] > 2 * _log_tau_ratio_and_var(before)[1]
+
+
+def test_step_time_standard_error_counts_noise_gaps_and_extrapolation():
+    rng = np.random.default_rng(0)
+    sizes = (4, 8, 16, 24, 32)
+    rows = [Sample(ts=i * 0.01, config=OFF, batch_size=sizes[i % 5],
+                   step_ms=(5.0 + 0.25 * sizes[i % 5]) * (1 + 0.02 * rng.standard_normal())) for i in range(500)]
+    m = CostModel(warmup_steps=0).fit(rows)
+    se = m.step_ms_rel_se(OFF, [8, 12, 64])
+    assert m.step_time_cv() == pytest.approx(0.02, rel=0.3)
+    assert se[0] == pytest.approx(1.25 * 0.02 / np.sqrt(32), rel=0.35)  # the median of 32 recent values
+    assert se[1] > (9.0 - 7.0) / 8.0 / np.sqrt(12) * 0.95  # 12 is anywhere between the measured 7 and 9 ms
+    assert se[2] > (21.0 - 13.0) / 21.0 / np.sqrt(3) * 0.9  # an extrapolation: anywhere up to twice as far
+    # a batch size noisier than the engine's usual counts with its own scatter
+    m.partial_fit([Sample(ts=10 + i * 0.01, config=OFF, batch_size=24, step_ms=11.0 * (1 + 0.2 * rng.standard_normal()))
+                   for i in range(32)])
+    assert m.step_ms_rel_se(OFF, [24])[0] > 4 * m.step_ms_rel_se(OFF, [8])[0]
+
+
+def test_state_round_trip_keeps_the_acceptance_uncertainty():
+    m = CostModel().fit(_chain_steps((0.7, 0.6, 0.5), 20, 0.0, batch=2, steps_per_s=30))
+    m2 = CostModel().set_state(m.get_state())
+    np.testing.assert_allclose(m2.tau_log_diff_var([OFF, S1, S3]), m.tau_log_diff_var([OFF, S1, S3]), rtol=1e-9)
+    legacy = m.get_state()
+    legacy["accept"] = [row[:4] for row in legacy["accept"]]  # written before standard errors were kept
+    assert np.all(np.isfinite(CostModel().set_state(legacy).tau_log_diff_var([S1, S3])))
