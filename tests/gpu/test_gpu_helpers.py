@@ -199,3 +199,14 @@ def test_paired_ratio_reads_adjacent_windows():
     assert lo < 1.0 < hi and round(hi - 1.0, 4) == round(1.0 - lo, 4)
     assert E.paired_ratio([0.0], [100.0]) == {"ratio_with_over_without": None}
     assert "ratio_ci95" not in E.paired_ratio([100.0], [100.0])
+
+
+def test_interleaved_ratios_compare_rounds_of_one_gpu_only():
+    import interleaved_results as IR
+    rounds = {(0, "off", 8): [100.0, 110.0], (0, "static:s3", 8): [120.0, 100.0], (0, "specctl", 8): [114.0, 110.0],
+              (1, "off", 8): [500.0, 500.0], (1, "sglang-adaptive", 8): [50.0, 55.0], (1, "specctl", 8): [100.0, 110.0]}
+    r = {(x["gpu_index"], x["concurrency"]): x for x in IR.ratios(rounds)}
+    assert r[(0, 8)]["per_round"] == [0.95, 1.0]  # round 1: best static s3 120; round 2: off 110
+    assert r[(0, 8)]["specctl_over_each_per_round"] == {"off": [1.14, 1.0], "static:s3": [0.95, 1.1]}
+    assert r[(1, 8)]["per_round"] == [0.2, 0.22] and r[(1, 8)]["specctl_over_each_per_round"]["sglang-adaptive"] == [2.0, 2.0]
+    assert IR.ratios({(0, "off", 1): [1.0]}) == []  # no specctl row: nothing to compare
