@@ -37,7 +37,6 @@ import os
 import random
 import re
 import shutil
-import statistics as st
 import subprocess
 import sys
 import time
