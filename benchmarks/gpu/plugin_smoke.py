@@ -59,20 +59,38 @@ def cmd_policy(path: str) -> None:
     print(f"policy -> {path}")
 
 
+def _specctl_site() -> None:
+    """Make the specctl site importable (SPECCTL_SITE, as the smoke script builds it)."""
+    site = os.environ.get("SPECCTL_SITE", "/tmp/specctl_site")
+    if site not in sys.path:
+        sys.path.insert(0, site)
+
+
 def cmd_listen(endpoint: str, path: str) -> None:
+    """Stand-in for the daemon's telemetry ingest: every frame, one per line, into PATH (the project's own
+    socket builder, so the endpoint is checked and an ipc directory made private as for `specctl serve`)."""
     import zmq
 
-    if endpoint.startswith("ipc://"):
-        os.makedirs(os.path.dirname(endpoint[len("ipc://"):]), exist_ok=True)
-    ctx = zmq.Context.instance()
-    s = ctx.socket(zmq.PULL)
-    s.bind(endpoint)
-    n = 0
+    _specctl_site()
+    from specctl.controller import transport
+
+    s = transport.telemetry_pull(zmq.Context.instance(), endpoint)
     with open(path, "ab", buffering=0) as f:
         while True:
             frame = s.recv()
             f.write(frame.replace(b"\n", b" ") + b"\n")
-            n += 1
+
+
+def read_frames(path: str) -> tuple[list, int]:
+    """A listener's JSONL (one frame a line): the parsed frames and how many lines did not parse."""
+    frames, bad = [], 0
+    if os.path.exists(path):
+        for ln in open(path, "rb"):
+            try:
+                frames.append(json.loads(ln))
+            except ValueError:
+                bad += 1
+    return frames, bad
 
 
 def _get(url: str, t: float = 5) -> tuple[int, str]:
@@ -270,18 +288,12 @@ def cmd_summary(outdir: str) -> dict:
     logp = os.path.join(outdir, "server.log")
     if os.path.exists(logp):
         s["log"] = summarize_log(open(logp, errors="replace").read())
-    frames, bad = [], 0
     tp = os.path.join(outdir, "telemetry.jsonl")
-    if os.path.exists(tp):
-        for ln in open(tp, "rb"):
-            try:
-                frames.append(json.loads(ln))
-            except ValueError:
-                bad += 1
+    frames, bad = read_frames(tp)
     s["telemetry"] = summarize_telemetry(frames)
     s["telemetry"]["unparsable_frames"] = bad
     try:
-        sys.path.insert(0, os.environ.get("SPECCTL_SITE", "/tmp/specctl_site"))
+        _specctl_site()
         from specctl.controller import wire
 
         invalid = 0

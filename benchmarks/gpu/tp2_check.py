@@ -312,14 +312,7 @@ def cmd_compare(outdir: str, min_decisions: int = 10000) -> dict:
     s["published"] = {"versions": len(published), "first": min(published) if published else None,
                       "last": max(published) if published else None}
     # telemetry (rank 0 only) and the server log
-    tp = os.path.join(outdir, "telemetry.jsonl")
-    frames, bad = [], 0
-    if os.path.exists(tp):
-        for ln in open(tp, "rb"):
-            try:
-                frames.append(json.loads(ln))
-            except ValueError:
-                bad += 1
+    frames, bad = PS.read_frames(os.path.join(outdir, "telemetry.jsonl"))
     tel_steps: dict = {}
     for fr in frames:
         k = str(fr.get("config", {}).get("steps"))
