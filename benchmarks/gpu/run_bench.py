@@ -100,9 +100,18 @@ def kill_tree(proc):
             pass
 
 
-async def one_request(session, port, ids, new, out, stream=True, pid=None):
-    """Streaming /generate; records ttft, latency, tokens, verify count (stream=False: also the output ids)."""
+def top2_margins(meta):
+    """log p(top-1) - log p(top-2) per output position from SGLang's `output_top_logprobs` (None where absent)."""
+    return [(t[0][0] - t[1][0]) if t and len(t) >= 2 and t[0][0] is not None and t[1][0] is not None else None
+            for t in meta.get("output_top_logprobs") or []]
+
+
+async def one_request(session, port, ids, new, out, stream=True, pid=None, top2=False):
+    """Streaming /generate; records ttft, latency, tokens, verify count (stream=False: also the output ids, and
+    with top2 the top-1 minus top-2 log-probability of every output position)."""
     body = {"input_ids": ids, "sampling_params": {"temperature": 0, "max_new_tokens": new}, "stream": stream}
+    if top2:
+        body.update(return_logprob=True, top_logprobs_num=2)
     t = time.perf_counter()
     ttft, meta, text_ids = None, {}, []
     try:
@@ -111,7 +120,7 @@ async def one_request(session, port, ids, new, out, stream=True, pid=None):
                 o = await r.json()
             out.append({"ttft": None, "latency": time.perf_counter() - t, "tokens": o["meta_info"].get("completion_tokens", 0),
                         "verify_ct": o["meta_info"].get("spec_verify_ct"), "t_end": time.time(), "ids": o.get("output_ids"),
-                        "pid": pid})
+                        "pid": pid, **({"top2": top2_margins(o["meta_info"])} if top2 else {})})
             return
         async with session.post(f"http://127.0.0.1:{port}/generate", json=body) as r:
             async for raw in r.content:

@@ -378,28 +378,9 @@ async def all_at_once(port, items, min_tokens, step_tokens, top2=False):
     import aiohttp
     out = []
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=900)) as s:
-        if top2:
-            await asyncio.gather(*[one_with_top2(s, port, x["ids"], min_tokens + step_tokens * i, out, x.get("id"))
-                                   for i, x in enumerate(items)])
-        else:
-            await asyncio.gather(*[RB.one_request(s, port, x["ids"], min_tokens + step_tokens * i, out, False, x.get("id"))
-                                   for i, x in enumerate(items)])
+        await asyncio.gather(*[RB.one_request(s, port, x["ids"], min_tokens + step_tokens * i, out, False, x.get("id"),
+                                              top2=top2) for i, x in enumerate(items)])
     return out
-
-
-async def one_with_top2(session, port, ids, new, out, pid):
-    """Greedy /generate with the top-2 log-probabilities of every output position: the margin per position."""
-    body = {"input_ids": ids, "sampling_params": {"temperature": 0, "max_new_tokens": new}, "stream": False,
-            "return_logprob": True, "top_logprobs_num": 2}
-    try:
-        async with session.post(f"http://127.0.0.1:{port}/generate", json=body) as r:
-            o = await r.json()
-        tops = o["meta_info"].get("output_top_logprobs") or []
-        margins = [(t[0][0] - t[1][0]) if t and len(t) >= 2 and t[0][0] is not None and t[1][0] is not None else None
-                   for t in tops]
-        out.append({"pid": pid, "ids": o.get("output_ids"), "top2": margins})
-    except Exception as e:  # noqa: BLE001 - recorded, counted by the caller
-        out.append({"pid": pid, "error": repr(e)[:200]})
 
 
 # ---------------------------------------------------------------- overhead

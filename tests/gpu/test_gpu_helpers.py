@@ -210,3 +210,10 @@ def test_interleaved_ratios_compare_rounds_of_one_gpu_only():
     assert r[(0, 8)]["specctl_over_each_per_round"] == {"off": [1.14, 1.0], "static:s3": [0.95, 1.1]}
     assert r[(1, 8)]["per_round"] == [0.2, 0.22] and r[(1, 8)]["specctl_over_each_per_round"]["sglang-adaptive"] == [2.0, 2.0]
     assert IR.ratios({(0, "off", 1): [1.0]}) == []  # no specctl row: nothing to compare
+
+
+def test_top2_margins_from_sglang_top_logprobs():
+    import run_bench as RB
+    meta = {"output_top_logprobs": [[[-0.1, 5, None], [-2.1, 7, None]], [[-1.0, 3, None]], None, [[None, 1, None], [-1, 2, None]]]}
+    assert RB.top2_margins(meta) == [2.0, None, None, None]
+    assert RB.top2_margins({}) == []
