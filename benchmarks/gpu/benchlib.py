@@ -11,10 +11,26 @@ R_TP = re.compile(r"gen throughput \(token/s\): ([\d.]+)")
 SGLANG_ADAPTIVE_MAX_STEPS = 7
 
 
+SKIP_DE = "+skipde"  # policy suffix: SGLANG_SPEC_SKIP_ZERO_STEP_DRAFT_EXTEND=1 (0.5.17: steps 0 skips the draft's extend)
+
+
 def parse_policy(pol):
     """'off' | 'static:sN' | 'threshold:T:sN' | 'plugin-fixed:T:sN' | 'sglang-adaptive' | 'specctl' -> dict.
     plugin-fixed:T:sN is threshold:T:sN decided by the specctl plugin in fixed mode (telemetry to a
-    daemon): the same server with and without the plugin, for the overhead figure."""
+    daemon): the same server with and without the plugin, for the overhead figure; plugin-fixed:1:sN is
+    plain decode inside the EAGLE-3 server at every batch size (the steps-0 state's cost).
+    Any speculative policy may end in +skipde: the server runs with SGLANG_SPEC_SKIP_ZERO_STEP_DRAFT_EXTEND=1
+    (its steps-0 state no longer extends the draft; an upshift then drafts from stale state)."""
+    skip = pol.endswith(SKIP_DE)
+    p = _parse_policy(pol[:-len(SKIP_DE)] if skip else pol)
+    if skip:
+        if p["kind"] == "off" or p["kind"] == "static":
+            raise ValueError(f"{pol!r}: {SKIP_DE} needs an adaptive server (it acts on the steps-0 state)")
+        p["skip_zero_draft_extend"] = True
+    return p
+
+
+def _parse_policy(pol):
     if pol == "off":
         return {"kind": "off"}
     if pol in ("sglang-adaptive", "specctl"):
@@ -23,7 +39,10 @@ def parse_policy(pol):
     if parts[0] == "static" and len(parts) == 2 and parts[1].startswith("s"):
         return {"kind": "static", "steps": int(parts[1][1:])}
     if parts[0] in ("threshold", "plugin-fixed") and len(parts) == 3 and parts[2].startswith("s"):
-        return {"kind": parts[0], "threshold": int(parts[1]), "steps": int(parts[2][1:])}
+        p = {"kind": parts[0], "threshold": int(parts[1]), "steps": int(parts[2][1:])}
+        if p["threshold"] < (1 if p["kind"] == "plugin-fixed" else 2):
+            raise ValueError(f"{pol!r}: threshold too small (SGLang's slots need T >= 2; the plugin's T >= 1)")
+        return p
     raise ValueError(f"unknown policy {pol!r}")
 
 
@@ -35,6 +54,13 @@ def eagle_args(draft, steps):
 def policy_launch_args(pol, draft, specctl_max_steps=3):
     """(extra server args, extra env, adaptive config dict or None) for a policy."""
     p = parse_policy(pol)
+    args, env, cfg = _launch_args(p, draft, specctl_max_steps)
+    if p.get("skip_zero_draft_extend"):
+        env = dict(env, SGLANG_SPEC_SKIP_ZERO_STEP_DRAFT_EXTEND="1")
+    return args, env, cfg
+
+
+def _launch_args(p, draft, specctl_max_steps):
     if p["kind"] == "off":
         return [], {}, None
     if p["kind"] == "static":
@@ -42,6 +68,8 @@ def policy_launch_args(pol, draft, specctl_max_steps=3):
     if p["kind"] in ("threshold", "plugin-fixed"):
         # spec with N steps below the threshold, steps 0 (1-token verify) from it up; launch at N (largest candidate)
         cfg = {"1": {"candidate_steps": [p["steps"]]}, str(p["threshold"]): {"candidate_steps": [0]}}
+        if p["threshold"] == 1:  # plugin-fixed:1:sN, steps 0 everywhere: both states built for every batch size
+            cfg = {"1": {"candidate_steps": [0, p["steps"]]}}
         env = {} if p["kind"] == "threshold" else {"SGLANG_PLUGINS": "specctl", "SPECCTL_MODE": "fixed",
                                                     "SPECCTL_FALLBACK_THRESHOLD": str(p["threshold"]),
                                                     "SPECCTL_FALLBACK_CONFIG": f"s{p['steps']}"}

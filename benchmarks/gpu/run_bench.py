@@ -333,6 +333,8 @@ def main():
             tps = [r["output_tokens_per_s"] for r in reps]
             row["repeats_tok_s"] = tps
             row["repeats_t_start"] = [r["t_start"] for r in reps]
+            row["repeats_step_ms"] = [r["log"].get("step_ms_med") for r in reps]
+            row["repeats_step_lines"] = [r["log"].get("n_lines", 0) for r in reps]
             row["spread"] = round((max(tps) - min(tps)) / med["output_tokens_per_s"], 4) if med["output_tokens_per_s"] else None
         result["runs"].append(row)
         log(f"{pol} c={c}: {row['output_tokens_per_s']} tok/s, tpot med {row['median_tpot_ms']} ms, "

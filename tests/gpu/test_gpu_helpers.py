@@ -83,6 +83,27 @@ def test_policies():
         B.parse_policy("static:3")
 
 
+@pytest.mark.parametrize("pol, cfg, env_skip", [
+    ("plugin-fixed:1:s3", {"1": {"candidate_steps": [0, 3]}}, False),  # steps 0 at every batch size
+    ("plugin-fixed:1:s3+skipde", {"1": {"candidate_steps": [0, 3]}}, True),
+    ("threshold:5:s3+skipde", {"1": {"candidate_steps": [3]}, "5": {"candidate_steps": [0]}}, True),
+    ("specctl+skipde", {"1": {"candidate_steps": [0, 1, 2, 3]}}, True),
+])
+def test_policy_variants(pol, cfg, env_skip):
+    args, env, got = B.policy_launch_args(pol, "/d")
+    assert got == cfg and "--speculative-adaptive" in args
+    assert (env.get("SGLANG_SPEC_SKIP_ZERO_STEP_DRAFT_EXTEND") == "1") is env_skip
+    assert B.parse_policy(pol).get("skip_zero_draft_extend", False) is env_skip
+    if pol.startswith("specctl"):
+        assert env["SGLANG_PLUGINS"] == "specctl" and B.parse_policy(pol)["kind"] == "specctl"
+
+
+@pytest.mark.parametrize("pol", ["off+skipde", "static:s3+skipde", "threshold:1:s3", "plugin-fixed:0:s3", "specctl+x"])
+def test_policy_variants_refused(pol):
+    with pytest.raises(ValueError):
+        B.policy_launch_args(pol, "/d")
+
+
 LOG = """[2026-11-29] Decode batch, #running-req: 1, #token: 10, token usage: 0.00, accept len: 1.50, gen throughput (token/s): 10.00, #queue-req: 0
 [2026-11-29] Decode batch, #running-req: 4, #token: 10, token usage: 0.00, accept len: 2.00, accept rate: 0.33, gen throughput (token/s): 800.00, #queue-req: 0
 [2026-11-29] Decode batch, #running-req: 4, #token: 10, token usage: 0.00, accept len: 2.00, gen throughput (token/s): 1000.00, #queue-req: 0
@@ -217,3 +238,22 @@ def test_top2_margins_from_sglang_top_logprobs():
     meta = {"output_top_logprobs": [[[-0.1, 5, None], [-2.1, 7, None]], [[-1.0, 3, None]], None, [[None, 1, None], [-1, 2, None]]]}
     assert RB.top2_margins(meta) == [2.0, None, None, None]
     assert RB.top2_margins({}) == []
+
+
+def test_step_costs(tmp_path):
+    import step_costs as S
+    d = tmp_path / "call"
+    d.mkdir()
+    runs = [{"policy": "off", "concurrency": 16, "repeats_step_ms": [6.0, 6.2]},
+            {"policy": "plugin-fixed:1:s3", "concurrency": 16, "repeats_step_ms": [7.5, 7.75]},
+            {"policy": "threshold:5:s3", "concurrency": 2, "repeats_step_ms": [5.0, 5.0, 5.1]},
+            {"policy": "plugin-fixed:5:s3", "concurrency": 2, "repeats_step_ms": [5.05, 4.95, None]},
+            {"policy": "static:s3", "concurrency": 1, "log": {"step_ms_med": 9.0}}]
+    (d / "bench-g1.json").write_text(json.dumps({"runs": runs}))
+    rows, pairs = S.report(S.load([str(d)]), "off", [("plugin-fixed:5:s3", "threshold:5:s3")])
+    by = {(r["policy"], r["concurrency"]): r for r in rows}
+    assert by[("plugin-fixed:1:s3", 16)]["over_off"]["per_round"] == [1.25, 1.25]
+    assert by[("off", 16)]["step_ms"] == pytest.approx(6.1) and "over_off" not in by[("off", 16)]
+    assert by[("static:s3", 1)]["step_ms"] == 9.0 and "over_off" not in by[("static:s3", 1)]  # no off at c=1
+    assert by[("plugin-fixed:5:s3", 2)]["step_ms"] == pytest.approx(5.0)  # a round without lines is skipped
+    assert len(pairs) == 1 and pairs[0]["per_round"] == [1.01, 0.99] and pairs[0]["gpu_index"] == 1
