@@ -13,7 +13,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 B=benchmarks/gpu/bundle; W=$B/wheels; mkdir -p $W
-PART_MB=${PART_MB:-48}
+PART_MB=${PART_MB:-40}
 PY312=${PY312:-$(command -v python3.12 || true)}
 [ -x "${PY312:-}" ] && "$PY312" -c 'import sys; assert sys.version_info[:2]==(3,12)' 2>/dev/null || PY312=$(ls -d ~/.pyenv/versions/3.12*/bin/python 2>/dev/null | head -1)
 "$PY312" -c 'import sys; assert sys.version_info[:2]==(3,12), sys.version' || { echo "need a CPython 3.12 (set PY312)"; exit 2; }

@@ -63,7 +63,10 @@ def main():
             rest.append(args[i]); i += 1
     out, dirs = rest[0], rest[1:]
     rows, pair_rows = report(load(dirs), ref, pairs)
-    json.dump({"method": __doc__.strip().splitlines()[2], "ref": ref, "rows": rows, "pairs": pair_rows,
+    method = ("step time = median of SGLang 'Decode batch' lines at exactly c running requests "
+              "(1000 * c * accept_len / gen_throughput: one decode iteration, whatever its acceptance), per round; "
+              "ratios are paired per round within one GPU")
+    json.dump({"method": method, "gpu": "NVIDIA H200", "sglang": "0.5.17", "ref": ref, "rows": rows, "pairs": pair_rows,
                "sources": [os.path.relpath(d) for d in dirs]}, open(out, "w"), indent=1)
     for g in sorted({r["gpu_index"] for r in rows}):
         pols = sorted({r["policy"] for r in rows if r["gpu_index"] == g}, key=lambda p: (p != ref, p))
