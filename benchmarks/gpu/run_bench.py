@@ -25,7 +25,8 @@ policy, default config, launched at its largest candidate 7: the 0.5.17 logits-b
 (plugin in online mode + `specctl serve` started here with a fresh state dir, SGLANG_PLUGINS=specctl;
 launched with an adaptive config whose candidates are 0..3; an unmeasured learning pass over
 --specctl-learn levels first) | plugin-fixed:T:sN (threshold:T:sN decided by the plugin in fixed mode,
-telemetry to a daemon: the same server with and without the plugin).
+telemetry to a daemon: the same server with and without the plugin; plugin-fixed:1:sN = steps 0 at every batch
+size). Any adaptive policy may end in +skipde (SGLANG_SPEC_SKIP_ZERO_STEP_DRAFT_EXTEND=1 on its server).
 specctl is installed as a PYTHONPATH folder (specctl_side.make_site), no wheel needed.
 Writes OUT/bench-<variant>.json (the results format of issue 5), OUT/profile-<variant>.json, OUT/<policy>.log,
 and per plugin policy OUT/specctl-<policy>/ (daemon log, every policy version, decision log, telemetry).
