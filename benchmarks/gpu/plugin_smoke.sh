@@ -2,6 +2,7 @@
 # The specctl SGLang plugin inside a real SGLang 0.5.17 server: a smoke test in ONE device call.
 # Run THERE from the repository root:   bash benchmarks/gpu/plugin_smoke.sh
 # carry: benchmarks/gpu/bundle/site.txz.part00 benchmarks/gpu/bundle/MANIFEST.json benchmarks/gpu/bundle/smoke
+#   (since session 4 the site has two parts: stash site.txz.part01 in a warm call before this one)
 #   (48.1 MB + 3.1 MB; the tree is ~13 MB: 64 MiB in all is the limit). bundle/smoke/ holds the JIT cache and
 #   deep_gemm recompressed with xz (jitcache.tgz + deepgemm.tgz = 7.4 MB do not fit beside the site):
 #   here, once:  bash benchmarks/gpu/plugin_smoke.sh pack
