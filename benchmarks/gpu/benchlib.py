@@ -131,6 +131,25 @@ def pct(xs, q):
     return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
 
 
+T95 = {2: 12.71, 3: 4.30, 4: 3.18, 5: 2.78, 6: 2.57, 7: 2.45, 8: 2.36, 9: 2.31, 10: 2.26}  # Student t, 95 %, by n
+
+
+def paired_ratios(a, b):
+    """a[i] / b[i] for the pairs where both are measured (one pair per round or repetition): every ratio, mean,
+    median, range, standard error and a 95 % t interval of the mean; {} when no pair is measured."""
+    r = [x / y for x, y in zip(a, b) if x and y]
+    if not r:
+        return {}
+    out = {"per_round": [round(x, 4) for x in r], "mean": round(st.mean(r), 4), "median": round(st.median(r), 4),
+           "min": round(min(r), 4), "max": round(max(r), 4), "pairs": len(r)}
+    if len(r) > 1:
+        se = st.stdev(r) / len(r) ** 0.5
+        half = T95.get(len(r), 2.0) * se
+        out["sem"] = round(se, 4)
+        out["ci95"] = [round(st.mean(r) - half, 4), round(st.mean(r) + half, 4)]
+    return out
+
+
 def summarize_requests(outs, wall):
     """Aggregate client records {ttft, latency, tokens, verify_ct} of one run."""
     good = [o for o in outs if "error" not in o and o.get("tokens")]

@@ -43,7 +43,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import prompts as P  # noqa: E402
 import run_bench as RB  # noqa: E402
 import specctl_side as SC  # noqa: E402
-from benchlib import eagle_args, identity_report, server_args, summarize_requests  # noqa: E402
+from benchlib import eagle_args, identity_report, paired_ratios, server_args, summarize_requests  # noqa: E402
 
 T0 = time.time()
 FILE_TABLE = [(1, 2, 3), (3, 8, 1), (9, None, 0)]  # identity: every candidate used while the batch shrinks
@@ -437,15 +437,13 @@ def cmd_overhead(a):
 def paired_ratio(with_, without):
     """Ratios of adjacent windows (with / without, one pair per repetition): mean, median, range and a 95 %
     t interval of the mean, so that 'within 0.5 %' is read against the measurement's own resolution."""
-    r = [w / o for w, o in zip(with_, without) if w and o]
+    r = paired_ratios(with_, without)
     if not r:
         return {"ratio_with_over_without": None}
-    out = {"ratio_with_over_without": round(st.mean(r), 4), "ratio_median": round(st.median(r), 4),
-           "ratio_min": round(min(r), 4), "ratio_max": round(max(r), 4), "pairs": len(r)}
-    if len(r) > 1:
-        t95 = {2: 12.71, 3: 4.30, 4: 3.18, 5: 2.78, 6: 2.57, 7: 2.45, 8: 2.36, 9: 2.31, 10: 2.26}.get(len(r), 2.0)
-        half = t95 * st.stdev(r) / len(r) ** 0.5
-        out["ratio_ci95"] = [round(st.mean(r) - half, 4), round(st.mean(r) + half, 4)]
+    out = {"ratio_with_over_without": r["mean"], "ratio_median": r["median"], "ratio_min": r["min"],
+           "ratio_max": r["max"], "pairs": r["pairs"]}
+    if "ci95" in r:
+        out["ratio_ci95"] = r["ci95"]
     return out
 
 

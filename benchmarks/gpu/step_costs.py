@@ -11,6 +11,9 @@ import os
 import statistics as st
 import sys
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from benchlib import paired_ratios  # noqa: E402
+
 
 def load(dirs):
     steps = {}  # (gpu, policy, c) -> [step ms per round]
@@ -25,13 +28,6 @@ def load(dirs):
     return steps
 
 
-def per_round_ratio(a, b):
-    r = [x / y for x, y in zip(a, b) if x and y]
-    return {"per_round": [round(x, 4) for x in r], "median": round(st.median(r), 4) if r else None,
-            "mean": round(st.mean(r), 4) if r else None,
-            "sem": round(st.stdev(r) / len(r) ** 0.5, 4) if len(r) > 1 else None}
-
-
 def report(steps, ref="off", pairs=()):
     rows = []
     for (g, pol, c), v in sorted(steps.items()):
@@ -39,14 +35,14 @@ def report(steps, ref="off", pairs=()):
         row = {"gpu_index": g, "policy": pol, "concurrency": c, "step_ms_rounds": v,
                "step_ms": round(st.median(ok), 4) if ok else None}
         if pol != ref and (g, ref, c) in steps:
-            row[f"over_{ref}"] = per_round_ratio(v, steps[(g, ref, c)])
+            row[f"over_{ref}"] = paired_ratios(v, steps[(g, ref, c)])
         rows.append(row)
     pair_rows = []
     for a_, b_ in pairs:
         for (g, pol, c), v in sorted(steps.items()):
             if pol == a_ and (g, b_, c) in steps:
                 pair_rows.append({"gpu_index": g, "concurrency": c, "pair": f"{a_} / {b_}",
-                                  **per_round_ratio(v, steps[(g, b_, c)])})
+                                  **paired_ratios(v, steps[(g, b_, c)])})
     return rows, pair_rows
 
 
@@ -81,11 +77,11 @@ def main():
                     cells.append("–")
                 else:
                     x = r.get(f"over_{ref}")
-                    cells.append(f"{r['step_ms']:.2f}" + (f" ({x['median']:.3f})" if x and x["median"] else ""))
+                    cells.append(f"{r['step_ms']:.2f}" + (f" ({x['median']:.3f})" if x else ""))
             print(f"| {c} | " + " | ".join(cells) + " |")
     for r in pair_rows:
-        print(f"GPU {r['gpu_index']} c={r['concurrency']} {r['pair']}: median {r['median']}, mean {r['mean']} ± {r['sem']} "
-              f"(per round {r['per_round']})")
+        print(f"GPU {r['gpu_index']} c={r['concurrency']} {r['pair']}: median {r.get('median')}, mean {r.get('mean')} "
+              f"± {r.get('sem')} (per round {r.get('per_round', [])})")
     print("wrote", out)
 
 
