@@ -216,8 +216,11 @@ class EngineController:
             v = self.active_version
             self._trace.write(f"{counter} {batch_size} {steps} {'F' if v is None else v}\n")
         except Exception as e:  # noqa: BLE001 - a diagnostic: never a reason to stop deciding
-            self._trace = None
-            self._log_once("warning", f"decision log off after an error: {type(e).__name__}: {e}")
+            self._trace_failed(e)
+
+    def _trace_failed(self, e: Exception) -> None:
+        self._trace = None
+        self._log_once("warning", f"decision log off after an error: {type(e).__name__}: {e}")
 
     def close_trace(self) -> None:
         t, self._trace = self._trace, None
@@ -307,8 +310,7 @@ class EngineController:
             try:
                 self._trace.flush()  # a killed server still leaves its decisions up to here
             except Exception as e:  # noqa: BLE001
-                self._trace = None
-                self._log_once("warning", f"decision log off after an error: {type(e).__name__}: {e}")
+                self._trace_failed(e)
         return upd
 
     def apply(self, update: PolicyUpdate) -> None:
