@@ -70,6 +70,13 @@ def http(port, path, obj=None, t=10):
         return f.status, f.read().decode()
 
 
+def start_server(model, port, args, env, logpath):
+    """`python3 -m sglang.launch_server` on 127.0.0.1:port, output to logpath: {"port", "proc", "log", "t", "cmd"}."""
+    cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", model, "--port", str(port)] + args
+    p = subprocess.Popen(cmd, stdout=open(logpath, "w"), stderr=subprocess.STDOUT, env=env)
+    return {"port": port, "proc": p, "log": logpath, "t": time.time(), "cmd": " ".join(cmd[1:])}
+
+
 def wait_ready(sv, limit, deadline=float("inf")):
     """A launched server ({"proc", "port", "t"}) answers /health within `limit` s of its launch (and before the
     epoch `deadline`); False as soon as its process has exited."""
@@ -288,9 +295,7 @@ def main():
             env.update(env_extra)  # plugin-fixed: its threshold and config
             env = SC.with_pythonpath(env, site)
         lp = os.path.join(a.out, f"{a.variant}-{pol.replace(':', '_')}.log")
-        cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", a.model, "--port", str(port)] + common + args
-        p = subprocess.Popen(cmd, stdout=open(lp, "w"), stderr=subprocess.STDOUT, env=env)
-        return {"policy": pol, "port": port, "proc": p, "log": lp, "cmd": " ".join(cmd[1:]), "t": time.time(), "side": side}
+        return {"policy": pol, "side": side, **start_server(a.model, port, common + args, env, lp)}
 
     def prepare(sv):
         """Warm-up, specctl's learning pass, the identity probe, the accept-length evaluation."""

@@ -35,7 +35,6 @@ import re
 import shutil
 import signal
 import statistics as st
-import subprocess
 import sys
 import time
 
@@ -58,12 +57,6 @@ MAX_TOTAL_TOKENS = 80000  # per server KV cap, so that servers started together 
 
 def common_args(maxc, memf):
     return server_args(maxc, memf, max_total_tokens=MAX_TOTAL_TOKENS)
-
-
-def launch(model, port, args, env, logpath):
-    cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", model, "--port", str(port)] + args
-    p = subprocess.Popen(cmd, stdout=open(logpath, "w"), stderr=subprocess.STDOUT, env=env)
-    return {"port": port, "proc": p, "log": logpath, "t": time.time(), "cmd": " ".join(cmd[1:])}
 
 
 async def timed_loop(port, items, conc, duration_s, new, offset=0):
@@ -156,7 +149,7 @@ def cmd_online(a):
     json.dump({"1": {"candidate_steps": [0, 1, 2, 3]}}, open(cfg, "w"))
     args = common_args(64, a.mem_fraction) + eagle_args(a.draft, 3) + [
         "--speculative-adaptive", "--speculative-adaptive-config", cfg]
-    sv = launch(a.model, a.port, args, env, os.path.join(a.out, "server.log"))
+    sv = RB.start_server(a.model, a.port, args, env, os.path.join(a.out, "server.log"))
     res = {"model": a.model, "draft": a.draft, "stale_after_s": a.stale_s, "stages": {}, "windows": {}}
     try:
         ok = RB.wait_ready(sv, a.ready_s)
@@ -314,7 +307,7 @@ def cmd_identity(a):
                                               SPECCTL_POLICY_FILE=pol, SPECCTL_TELEMETRY="none", SPECCTL_POLICY="none",
                                               SPECCTL_DECISION_LOG=os.path.join(a.out, f"decisions-{v}-rank{{rank}}.txt")), site)
             tag = mode.replace(":", "_")
-            servers[(v, mode)] = launch(a.model, a.port + 10 * k, args, env, os.path.join(a.out, f"identity-{v}-{tag}.log"))
+            servers[(v, mode)] = RB.start_server(a.model, a.port + 10 * k, args, env, os.path.join(a.out, f"identity-{v}-{tag}.log"))
             k += 1
     res = {"model": a.model, "table": FILE_TABLE, "n_prompts": len(items), "variants": {}}
     try:
@@ -401,8 +394,8 @@ def cmd_overhead(a):
     env_plain = dict(os.environ)
     env_plug = SC.with_pythonpath(dict(os.environ, **SC.plugin_env(mode="fixed", rundir=rundir, server_id="ovh",
                                                                    threshold=5, config="s3")), site)
-    sv = {"without": launch(a.model, a.port, base_args, env_plain, os.path.join(a.out, "ovh-without.log")),
-          "with": launch(a.model, a.port + 10, base_args, env_plug, os.path.join(a.out, "ovh-with.log"))}
+    sv = {"without": RB.start_server(a.model, a.port, base_args, env_plain, os.path.join(a.out, "ovh-without.log")),
+          "with": RB.start_server(a.model, a.port + 10, base_args, env_plug, os.path.join(a.out, "ovh-with.log"))}
     res = {"policy": "threshold:5:s3", "levels": [], "reps": a.reps, "requests_per_window": a.ovh_req}
     try:
         for k, s in sv.items():
