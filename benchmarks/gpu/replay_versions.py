@@ -6,8 +6,6 @@ e.g. benchmarks/gpu/logs/2026-11-30/call6-sweep-online-overhead/g0.tar.xz specct
 """
 import gzip, io, json, sys, tarfile
 from specctl.controller.service import ControllerService, ServiceSettings
-from specctl.controller import wire
-from specctl.policies.table import PolicyTable
 
 def frames_from(tar, member_sub):
     out = []
