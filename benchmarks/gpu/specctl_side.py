@@ -165,6 +165,17 @@ class Daemon:
                        "events": self.events}, f, indent=1)
 
 
+def policy_obj(version: int, rows: list, *, source: str = "fixed", created_at: Optional[float] = None) -> dict:
+    """A policy object (DESIGN.md) for chain rows (min_batch, max_batch or None, steps), its table written by the
+    product's own PolicyTable (checked: contiguous from batch 1)."""
+    from specctl.policies.table import PolicyTable, chain
+
+    table = PolicyTable.from_rows((lo, hi, chain(steps)) for lo, hi, steps in rows)
+    return {"kind": "policy", "schema": 1, "version": version,
+            "created_at": time.time() if created_at is None else created_at, "source": source,
+            "table": table.to_rows_obj()}
+
+
 class Override:
     """An operator's stand-in for the daemon: publishes ONE fixed table at the daemon's policy endpoint (the daemon
     must be stopped), re-sent every period as a heartbeat. specctl_e2e.py uses it to force a long plain-decode period
@@ -178,11 +189,7 @@ class Override:
         self.sent = 0
 
     def obj(self) -> dict:
-        def cfg(s: int) -> dict:
-            return {"steps": s, "topk": 1, "draft_tokens": s + 1 if s else 1}
-        table = [dict({"min_batch": lo, "config": cfg(st_)}, **({"max_batch": hi} if hi else {})) for lo, hi, st_ in self.rows]
-        return {"kind": "policy", "schema": 1, "version": self.version, "created_at": time.time(), "source": "fixed",
-                "table": table}
+        return policy_obj(self.version, self.rows)
 
     def frame(self) -> bytes:
         from specctl.controller import wire

@@ -29,6 +29,7 @@ from typing import Any, Optional
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import plugin_smoke as PS  # noqa: E402  (same folder: summarize_log, _get, _post, PROMPTS)
+import specctl_side as SC  # noqa: E402  (same folder: policy_obj)
 
 # candidate steps built by SGLang (plugin_smoke_adaptive.json): 0, 1, 3. (min_batch, max_batch, steps)
 TABLES: list[list[tuple[int, Optional[int], int]]] = [
@@ -53,24 +54,11 @@ def lookup(rows, bs: int) -> int:
     raise ValueError(f"no row for batch size {bs}")
 
 
-def policy_obj(version: int, rows, created_at: Optional[float] = None) -> dict:
-    def cfg(steps: int) -> dict:
-        return {"steps": steps, "topk": 1, "draft_tokens": steps + 1 if steps else 1}
-    table = []
-    for lo, hi, steps in rows:
-        row: dict = {"min_batch": lo, "config": cfg(steps)}
-        if hi is not None:
-            row["max_batch"] = hi
-        table.append(row)
-    return {"kind": "policy", "schema": 1, "version": version,
-            "created_at": time.time() if created_at is None else created_at, "source": "online", "table": table}
-
-
 def policy_frame(version: int) -> bytes:
     """The wire frame of `version`, built and checked by the real wire code."""
     from specctl.controller import wire
 
-    return wire.encode(wire.policy_from_obj(policy_obj(version, table_for(version))))
+    return wire.encode(wire.policy_from_obj(SC.policy_obj(version, table_for(version), source="online")))
 
 
 # ----------------------------------------------------------------------------- publish
