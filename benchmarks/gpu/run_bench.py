@@ -197,10 +197,10 @@ def finish_plugin_run(sv, srv, out):
         d.stop()
         sdir = os.path.dirname(d.log_path)
         d.save(os.path.join(sdir, "policies.json"))
-        from specctl.policies.fixed import fixed_threshold
+        from specctl.policies.fixed import DEFAULT_CONFIG, DEFAULT_THRESHOLD, fixed_threshold
         from specctl.policies.table import chain
-        p = parse_policy(sv["policy"])
-        fb = fixed_threshold(p.get("threshold", 5), chain(p.get("steps", 3)))
+        p = parse_policy(sv["policy"])  # plugin-fixed:T:sN sets the plugin's fallback; specctl keeps the defaults
+        fb = fixed_threshold(p.get("threshold", DEFAULT_THRESHOLD), chain(p["steps"]) if "steps" in p else DEFAULT_CONFIG)
         dec = SC.read_decisions(os.path.join(sdir, "decisions-rank0.txt"))
         aud = SC.audit_decisions(dec, {v: x["policy"] for v, x in d.policies.items()}, fallback=fb)
         aud["sglang_switch_lines"] = SC.count_switch_lines(open(sv["log"]).read())
