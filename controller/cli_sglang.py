@@ -12,7 +12,8 @@ from . import wire
 
 @click.command("sglang-args")
 @click.option("--configs", default="off,s1,s3", show_default=True,
-              help="configurations the policy may use (comma-separated: off, sN)")
+              help="configurations the policy may use (comma-separated: off, sN, and trees sNkKnD, "
+                   "e.g. s2k4n16 = 2 steps, topk 4, 16 draft tokens)")
 @click.option("--initial-steps", type=int, default=None, help="--speculative-num-steps (default: the largest candidate)")
 @click.option("--algorithm", default="EAGLE3", show_default=True, type=click.Choice(["EAGLE3", "EAGLE"]))
 @click.option("--config-path", default="specctl-adaptive.json", show_default=True,
@@ -21,7 +22,8 @@ from . import wire
 @click.option("--mode", default="online", show_default=True, type=click.Choice(["online", "fixed", "file", "off"]))
 @click.option("--rundir", default=None, help="SPECCTL_RUNDIR shared with `specctl serve`")
 @click.option("--fallback-threshold", type=int, default=launch_args.DEFAULT_THRESHOLD, show_default=True)
-@click.option("--fallback-config", default="s3", show_default=True)
+@click.option("--fallback-config", default="s3", show_default=True,
+              help="fixed-threshold fallback's configuration below the threshold (a tree is allowed)")
 @click.option("--json", "as_json", is_flag=True, help="machine-readable output")
 def sglang_args(configs: str, initial_steps, algorithm, config_path, server_id, mode, rundir,
                 fallback_threshold, fallback_config, as_json) -> None:

@@ -62,8 +62,6 @@ class PluginSettings:
             raise ValueError("SPECCTL_MODE=file needs SPECCTL_POLICY_FILE")
         if self.fallback_threshold < 1:
             raise ValueError(f"SPECCTL_FALLBACK_THRESHOLD must be >= 1, got {self.fallback_threshold}")
-        if self.fallback_config[1] != 1:
-            raise ValueError("SPECCTL_FALLBACK_CONFIG: SGLang adaptive speculation runs chains (topk=1) only")
         if not self.stale_after_s > 0:
             raise ValueError(f"SPECCTL_STALE_AFTER_S must be > 0, got {self.stale_after_s}")
         if self.sync_every < 1:
@@ -136,12 +134,16 @@ class EngineStats:
 class EngineController:
     """Per-process controller; one per SGLang scheduler process (= TP rank).
 
-    `candidate_steps`: the step counts SGLang built a runtime state for (0 = no speculation).
+    `candidate_steps`: the step counts SGLang built a runtime state for (0 = no speculation); SGLang
+    keys its runtime states by step count, and a decision is that key.
+    `states`: what each key's runtime state runs, when not the chain of that many steps (a tree
+    built by the plugin's tree hooks: `{2: (2, 4, 16)}`); keys missing here are chains.
     `clock`: seconds, monotonic (only consulted on rank 0, for staleness).
     `initial_policy`: a policy frame to start from (mode `file`: every rank reads the same file).
     """
 
     def __init__(self, settings: PluginSettings, *, candidate_steps: Iterable[int],
+                 states: Optional[Mapping[int, Config]] = None,
                  clock: Callable[[], float] = time.monotonic, rank: int = 0,
                  initial_policy: Optional[bytes] = None):
         self.settings = settings
@@ -150,6 +152,9 @@ class EngineController:
         self.candidate_steps: frozenset[int] = frozenset(int(s) for s in candidate_steps)
         if not self.candidate_steps:
             raise ValueError("no candidate steps: SGLang built no adaptive runtime state")
+        self.states: dict[int, Config] = state_configs(self.candidate_steps, states)
+        # a result names its configuration only by its width (draft tokens verified per request)
+        self._by_width: dict[int, Config] = {c[2]: c for c in self.states.values()}
         self.stats = EngineStats()
         self._logged: set[str] = set()
         self.fallback = self._build_fallback(settings.fallback_threshold, settings.fallback_config)
@@ -335,6 +340,22 @@ class EngineController:
             log.info("specctl: policy v%d (%s) in force from decode step %d: %s", t.version, t.source,
                      self.step_counter, _describe(t))
 
+    def replace_state(self, key: int, config: Config, reason: str) -> None:
+        """SGLang built `config` under `key` instead of what was announced (a tree build failed):
+        tables naming the announced configuration are refused from now on."""
+        states = dict(self.states)
+        states[key] = config
+        self.states = state_configs(self.candidate_steps, states)
+        self._by_width = {c[2]: c for c in self.states.values()}
+        self._config_frag.clear()
+        self._log_once("error", f"runtime state {key} runs {wire.config_name(config)}: {reason}")
+        why = self.table_problem(self.table) if self.active_source != "fallback" else None
+        if why:
+            self._fall_back(why)
+        self.fallback = self._build_fallback(self.settings.fallback_threshold, self.settings.fallback_config)
+        if self.active_source == "fallback":
+            self.table = self.fallback
+
     def fail(self, reason: str) -> None:
         """An internal error: the fixed-threshold fallback for the rest of this process."""
         if self.failed:
@@ -348,11 +369,12 @@ class EngineController:
                     accepted: Optional[list[int]], step_ms: float,
                     ctx_tokens: Optional[int] = None) -> bytes:
         """One DESIGN.md `step` frame, exactly `wire.encode(StepRecord(...))`. The configuration is
-        the one that produced this result: a chain of `draft_tokens - 1` steps."""
+        the runtime state that produced this result, known by its width (`states` keeps widths
+        unique); a width no state has is read as the chain of `draft_tokens - 1` steps."""
         frag = self._config_frag.get(draft_tokens)
         if frag is None:
-            steps = draft_tokens - 1 if draft_tokens > 1 else 0
-            frag = (',"config":{"steps":%d,"topk":1,"draft_tokens":%d}' % (steps, max(1, draft_tokens))).encode()
+            c = self._by_width.get(draft_tokens) or chain(draft_tokens - 1 if draft_tokens > 1 else 0)
+            frag = (',"config":{"steps":%d,"topk":%d,"draft_tokens":%d}' % c).encode()
             self._config_frag[draft_tokens] = frag
         if draft_tokens > 1 and accepted is not None:
             acc = b',"accepted":[' + _int_list(accepted) + b"]"
@@ -371,19 +393,24 @@ class EngineController:
     def table_problem(self, table: PolicyTable) -> Optional[str]:
         """Why this table cannot run on this server, or None."""
         for c in table.configs():
-            if c[0] != 0 and c[1] != 1:
-                return (f"policy v{table.version} names {c} (topk {c[1]}): SGLang adaptive "
-                        f"speculation runs chains (topk=1) only")
-            if c[0] not in self.candidate_steps:
+            if c[0] not in self.states:
                 return (f"policy v{table.version} names steps={c[0]}, which has no runtime state "
-                        f"(built: {sorted(self.candidate_steps)}; see `specctl sglang-args`)")
+                        f"(built: {self.describe_states()}; see `specctl sglang-args`)")
+            if self.states[c[0]] != c:
+                return (f"policy v{table.version} names {wire.config_name(c)}, but the runtime state "
+                        f"for steps={c[0]} runs {wire.config_name(self.states[c[0]])} (built: "
+                        f"{self.describe_states()})")
         return None
+
+    def describe_states(self) -> str:
+        return ", ".join(wire.config_name(self.states[k]) for k in sorted(self.states))
 
     def status(self) -> dict[str, Any]:
         return {
             "source": self.active_source, "version": self.active_version,
             "fallback_reason": self.fallback_reason, "failed": self.failed,
             "candidate_steps": sorted(self.candidate_steps), "step_counter": self.step_counter,
+            "states": {k: list(self.states[k]) for k in sorted(self.states)},
             "num_results": self.stats.num_results, "num_syncs": self.stats.num_syncs,
             "num_updates_applied": self.stats.num_updates_applied,
             "num_frames": self.stats.num_frames, "num_frames_rejected": self.stats.num_frames_rejected,
@@ -408,11 +435,12 @@ class EngineController:
     def _build_fallback(self, threshold: int, config: Config) -> PolicyTable:
         steps = config[0]
         built = sorted(self.candidate_steps)
-        if steps not in self.candidate_steps:
-            lower = [s for s in built if 0 < s <= steps]
-            near = lower[-1] if lower else next((s for s in built if s > 0), 0)
-            self._log_once("warning", f"fallback steps={steps} has no runtime state (built: {built}); "
-                                      f"the fallback speculates with steps={near}")
+        if self.states.get(steps) != config:
+            chains = [s for s in built if s > 0 and self.states[s] == chain(s)]
+            lower = [s for s in chains if s <= steps]
+            near = lower[-1] if lower else next(iter(chains), 0)
+            self._log_once("warning", f"fallback {wire.config_name(config)} has no runtime state (built: "
+                                      f"{self.describe_states()}); the fallback speculates with steps={near}")
             config = chain(near)
         table = fixed_threshold(threshold, config)
         if 0 not in self.candidate_steps and table.configs() != [config]:
@@ -441,11 +469,35 @@ class EngineController:
         getattr(log, level)("specctl: %s", msg)
 
 
+def state_configs(keys: Iterable[int], states: Optional[Mapping[int, Config]] = None) -> dict[int, Config]:
+    """Key -> configuration of every runtime state: `states` where given, else the chain of that many
+    steps. Widths must be unique (telemetry tells configurations apart by width alone), and key 0 is
+    plain decode."""
+    out: dict[int, Config] = {}
+    given = dict(states or {})
+    for k in sorted(set(int(x) for x in keys)):
+        c = tuple(int(v) for v in given.pop(k, chain(k)))
+        if len(c) != 3 or c[0] != k:
+            raise ValueError(f"runtime state {k}: configuration {c} does not run {k} steps")
+        if k == 0 and c != OFF:
+            raise ValueError(f"runtime state 0 is plain decode, not {c}")
+        out[k] = c  # type: ignore[assignment]
+    if given:
+        raise ValueError(f"configurations for states SGLang did not build: {sorted(given)}")
+    widths: dict[int, Config] = {}
+    for c in out.values():
+        if c[2] in widths:
+            raise ValueError(f"{wire.config_name(widths[c[2]])} and {wire.config_name(c)} both verify "
+                             f"{c[2]} tokens: telemetry could not tell them apart")
+        widths[c[2]] = c
+    return out
+
+
 def _describe(t: PolicyTable) -> str:
     parts = []
     for r in t.rows:
         rng = f"{r.min_batch}+" if r.max_batch is None else f"{r.min_batch}-{r.max_batch}"
-        parts.append(f"bs {rng}: steps={r.config[0]}")
+        parts.append(f"bs {rng}: {wire.config_name(r.config)}")
     if t.explore:
         parts.append(f"explore 1/{t.explore_period}")
     return ", ".join(parts)

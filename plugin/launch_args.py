@@ -3,6 +3,19 @@
 The adaptive config decides which runtime states and CUDA graphs SGLang builds at start-up; a
 policy may only choose among them, so every configuration it may use is listed, in one slot that
 covers every batch size.
+
+Trees (topk > 1). SGLang's adaptive mode refuses a topk != 1 launch (it logs a warning and runs the
+static tree), and keys its runtime states by step count. So the server is launched as a topk-1
+chain, and a tree is one more state under its step count, built and switched to by the plugin's
+tree hooks (plugin/sglang_hooks.py). The JSON then carries two extra entries that SGLang reads
+without knowing why:
+
+    "specctl": {"states": {"2": [2, 4, 16]}}    what each non-chain key runs (SGLang skips
+                                                non-digit keys; the plugin reads it)
+    "<SIZING_SLOT>": {"candidate_steps": [15]}  a slot no batch reaches: SGLang sizes its draft-token
+                                                buffers (KV reserve, req_to_token rows, eager
+                                                buffers, logits rows) from max(candidate steps) + 1,
+                                                which must cover the tree's 16 tokens
 """
 
 from __future__ import annotations
@@ -13,9 +26,12 @@ from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
 from ..policies.fixed import DEFAULT_CONFIG, DEFAULT_THRESHOLD
-from ..policies.table import Config
+from ..policies.table import Config, chain
 
 DEFAULT_CANDIDATES: tuple[Config, ...] = ((0, 1, 1), (1, 1, 2), (3, 1, 4))
+SPECCTL_KEY = "specctl"
+SIZING_SLOT = "1000000"  # a batch size no server reaches: its candidate steps only size buffers
+MAX_TREE_TOKENS = 64
 
 
 @dataclass(frozen=True)
@@ -39,12 +55,63 @@ class LaunchArgs:
 
 
 def candidate_problem(candidates: Sequence[Config]) -> Optional[str]:
-    for c in candidates:
-        if c[0] > 0 and c[1] != 1:
-            return f"{c}: SGLang adaptive speculation runs chains (topk=1) only"
     if not candidates:
         return "no configurations given"
+    by_steps: dict[int, Config] = {}
+    for c in candidates:
+        if c[0] == 0 and tuple(c) != (0, 1, 1):
+            return f"{c}: steps 0 is plain decode (0,1,1)"
+        if c[1] > 1 and not (c[0] >= 1 and c[0] + 1 <= c[2] <= min(MAX_TREE_TOKENS, tree_nodes(c[0], c[1]))):
+            return (f"{name(c)}: a tree of {c[0]} steps and topk {c[1]} verifies "
+                    f"{c[0] + 1}..{min(MAX_TREE_TOKENS, tree_nodes(c[0], c[1]))} tokens")
+        other = by_steps.setdefault(c[0], tuple(c))
+        if other != tuple(c):
+            return (f"{name(other)} and {name(c)} both run {c[0]} steps: SGLang keys its runtime "
+                    f"states by step count, so one of them has to go")
+    widths = [c[2] for c in by_steps.values()]
+    if len(set(widths)) != len(widths):
+        return "two configurations verify the same number of tokens: telemetry could not tell them apart"
     return None
+
+
+def tree_nodes(steps: int, topk: int) -> int:
+    """Candidate nodes an EAGLE tree offers its verify: the root, topk at the first step, and topk
+    of topk * topk expansions at every later step."""
+    return 1 + topk + (steps - 1) * topk * topk
+
+
+def name(c: Sequence[int]) -> str:
+    steps, topk, n = c
+    return "off" if steps == 0 else f"s{steps}" if topk == 1 else f"s{steps}k{topk}n{n}"
+
+
+def tree_states(adaptive_config: Any) -> dict[int, Config]:
+    """The non-chain states an adaptive config (the parsed JSON) asks for: {steps: (steps, topk, n)}.
+    Raises ValueError naming the problem when the `specctl` section is malformed."""
+    if not isinstance(adaptive_config, dict) or SPECCTL_KEY not in adaptive_config:
+        return {}
+    sec = adaptive_config[SPECCTL_KEY]
+    states = sec.get("states") if isinstance(sec, dict) else None
+    if not isinstance(states, dict):
+        raise ValueError(f'adaptive config: "{SPECCTL_KEY}" must be {{"states": {{"<steps>": [steps, topk, n]}}}}')
+    out: dict[int, Config] = {}
+    for k, v in states.items():
+        if not (str(k).isdigit() and isinstance(v, list) and len(v) == 3
+                and all(isinstance(x, int) and not isinstance(x, bool) for x in v) and v[0] == int(k)):
+            raise ValueError(f'adaptive config: "{SPECCTL_KEY}.states.{k}" must be [{k}, topk, draft_tokens], got {v!r}')
+        out[int(k)] = (v[0], v[1], v[2])
+    why = candidate_problem(list(out.values()))
+    if why:
+        raise ValueError(f"adaptive config: {why}")
+    return out
+
+
+def read_tree_states(cfg_path: Optional[str]) -> dict[int, Config]:
+    """tree_states() of the JSON file SGLang was given (--speculative-adaptive-config)."""
+    if not cfg_path:
+        return {}
+    with open(cfg_path) as f:
+        return tree_states(json.load(f))
 
 
 def build(candidates: Sequence[Config] = DEFAULT_CANDIDATES, *, algorithm: str = "EAGLE3",
@@ -52,15 +119,26 @@ def build(candidates: Sequence[Config] = DEFAULT_CANDIDATES, *, algorithm: str =
           server_id: str = "sglang-0", mode: str = "online", rundir: Optional[str] = None,
           fallback_threshold: int = DEFAULT_THRESHOLD, fallback_config: Config = DEFAULT_CONFIG,
           ) -> LaunchArgs:
-    why = candidate_problem(candidates)
+    cands = [tuple(c) for c in candidates]
+    trees = {c[0]: c for c in cands if c[0] > 0 and c[1] > 1}
+    if fallback_config[0] not in trees and tuple(fallback_config) not in cands:
+        cands.append(tuple(fallback_config))  # the fallback must always have its state
+    if trees and not any(c[0] > 0 and c[1] == 1 for c in cands):
+        # the launch state is a chain (SGLang's adaptive mode runs topk 1 only): the shortest free one
+        cands.append(chain(next(s for s in range(1, 64) if s not in trees)))
+    why = candidate_problem(cands)
     if why:
         raise ValueError(why)
-    steps = sorted({c[0] for c in candidates} | {0, fallback_config[0]})
+    steps = sorted({c[0] for c in cands} | {0})
+    chains = [s for s in steps if s > 0 and s not in trees]
     if initial_steps is None:
-        # the largest candidate: SGLang 0.5.17 sizes a logits buffer from --speculative-num-steps
-        initial_steps = steps[-1]
+        # the largest chain: SGLang 0.5.17 sizes a logits buffer from --speculative-num-steps
+        initial_steps = chains[-1]
     if initial_steps not in steps:
         raise ValueError(f"initial steps {initial_steps} is not among the candidates {steps}")
+    if initial_steps in trees:
+        raise ValueError(f"initial steps {initial_steps} is the tree {name(trees[initial_steps])}: SGLang "
+                         f"launches adaptive speculation as a chain (topk 1); pick a chain's steps")
     flags = [
         "--speculative-algorithm", algorithm,
         "--speculative-eagle-topk", "1",
@@ -69,6 +147,8 @@ def build(candidates: Sequence[Config] = DEFAULT_CANDIDATES, *, algorithm: str =
         "--speculative-adaptive",
         "--speculative-adaptive-config", config_path,
     ]
+    if trees:
+        flags += ["--page-size", "1"]  # the tree's KV layout for page > 1 needs a topk-aware reserve
     env = {"SPECCTL_MODE": mode, "SPECCTL_SERVER_ID": server_id}
     if rundir:
         env["SPECCTL_RUNDIR"] = rundir
@@ -77,4 +157,8 @@ def build(candidates: Sequence[Config] = DEFAULT_CANDIDATES, *, algorithm: str =
     if tuple(fallback_config) != DEFAULT_CONFIG:
         env["SPECCTL_FALLBACK_CONFIG"] = ",".join(map(str, fallback_config))
     # one slot from batch 1 up: every candidate is reachable (and CUDA-graph captured) at every size
-    return LaunchArgs({"1": {"candidate_steps": steps}}, flags, env, config_path)
+    cfg: dict[str, Any] = {"1": {"candidate_steps": steps}}
+    if trees:
+        cfg[SIZING_SLOT] = {"candidate_steps": [max(c[2] for c in trees.values()) - 1]}
+        cfg[SPECCTL_KEY] = {"states": {str(k): list(c) for k, c in sorted(trees.items())}}
+    return LaunchArgs(cfg, flags, env, config_path)

@@ -1,10 +1,25 @@
-"""The SGLang side of the plugin: three hooks around the EngineController (plugin/engine.py).
+"""The SGLang side of the plugin: hooks around the EngineController (plugin/engine.py).
 
     REPLACE  AdaptiveSpeculativeParams           -> SpecctlSpeculativeParams: decide() per decode batch
     AROUND   EAGLEWorkerV2.forward_batch_generation  CUDA events around the decode step (rank 0)
     AFTER    SchedulerBatchResultProcessor._resolve_spec_v2_tokens
              every rank, every decode result, same order: telemetry (rank 0), and every
              `sync_every` results rank 0's pending policy is broadcast on the TP group and applied.
+
+Tree states (topk > 1; only when the adaptive config has a `specctl.states` section, see
+plugin/launch_args.py; each hook passes straight through otherwise):
+
+    AROUND   EAGLEWorkerV2.build_adaptive_runtime_state   builds a tree's key as the tree: topk and
+             width set on the workers, the spec bag and (0.5.17 reads them there) ServerArgs for the
+             duration of the build; the state is tagged with its topk
+    BEFORE   EAGLEWorkerV2.apply_runtime_state            the workers' and the bag's topk follow the
+             state being applied (SGLang swaps steps and buffers, never topk)
+    AROUND   EagleDraftWorker._draft_extend_for_decode / _draft_extend_for_prefill
+             the draft's next-step top-k is always the widest topk of any state, whatever state
+             runs: a chain step can hand over to the tree (the overlap FutureMap keeps that width)
+    BEFORE   EagleDraftWorker.draft                       a chain drafts from the first column only
+    AFTER    ModelRunner.max_decode_logits_rows           the shared logits buffer holds the tree's
+             width (0.5.17 sizes it from the launch state's)
 
 Imported only inside SGLang scheduler processes (plugin/__init__.py gates it). Every hook calls the
 original first-class and swallows its own errors: a fault here falls back, never takes the server down.
@@ -14,9 +29,12 @@ from __future__ import annotations
 
 import logging
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
+from ..controller.wire import config_name
+from ..policies.table import Config, chain
 from .engine import EngineController, PluginSettings
 
 log = logging.getLogger("specctl.plugin")
@@ -28,6 +46,16 @@ class Targets:
     forward: str = "sglang.srt.speculative.eagle_worker_v2.EAGLEWorkerV2.forward_batch_generation"
     result: str = ("sglang.srt.managers.scheduler_components.batch_result_processor."
                    "SchedulerBatchResultProcessor._resolve_spec_v2_tokens")
+    # tree states only
+    build: str = "sglang.srt.speculative.eagle_worker_v2.EAGLEWorkerV2.build_adaptive_runtime_state"
+    apply: str = "sglang.srt.speculative.eagle_worker_v2.EAGLEWorkerV2.apply_runtime_state"
+    extend_decode: str = "sglang.srt.speculative.eagle_worker_v2.EagleDraftWorker._draft_extend_for_decode"
+    extend_prefill: str = "sglang.srt.speculative.eagle_worker_v2.EagleDraftWorker._draft_extend_for_prefill"
+    draft: str = "sglang.srt.speculative.eagle_worker_v2.EagleDraftWorker.draft"
+    logits_rows: str = "sglang.srt.model_executor.model_runner.ModelRunner.max_decode_logits_rows"
+
+    def tree_targets(self) -> tuple[str, ...]:
+        return (self.build, self.apply, self.extend_decode, self.extend_prefill, self.draft, self.logits_rows)
 
 
 SGLANG_TARGETS = Targets()
@@ -100,6 +128,11 @@ class PluginRuntime:
         self.telemetry_on = False
         self.sync_on = True
         self.hook_problems: list[str] = []
+        # tree states (steps key -> (steps, topk, n)) this process builds and switches to; set from
+        # the adaptive config when the policy object is made, before SGLang builds its states
+        self.trees: dict[int, Config] = {}
+        self.max_topk = 1
+        self._tree_width_of: dict[str, int] = {}  # adaptive-config path -> widest tree (logits rows)
         # launch_ts is time.monotonic(); the wire's ts is wall-clock seconds
         self.wall_offset_s = time.time() - time.monotonic()
         self._prev_launch: Optional[tuple[int, float]] = None
@@ -107,9 +140,12 @@ class PluginRuntime:
 
     # ---------------------------------------------------------------- start-up
 
-    def new_engine(self, candidate_steps: list[int]) -> EngineController:
+    def new_engine(self, candidate_steps: list[int],
+                   trees: Optional[dict[int, Config]] = None) -> EngineController:
         """Called from SpecctlSpeculativeParams.__init__ (worker construction, after load_plugins
-        applied the hooks and after the TP group exists)."""
+        applied the hooks and after the TP group exists, before SGLang builds its runtime states)."""
+        self.trees = self._usable_trees(dict(trees or {}), candidate_steps)
+        self.max_topk = max([c[1] for c in self.trees.values()] + [1])
         try:
             self.tp_group = self.tp_group_fn()
             self.rank = int(getattr(self.tp_group, "rank_in_group", 0))
@@ -118,8 +154,8 @@ class PluginRuntime:
         except Exception as e:  # noqa: BLE001
             self.tp_group, self.rank, self.world_size = None, 0, 1
             no_group = f"no TP group ({type(e).__name__}: {e})"
-        eng = EngineController(self.settings, candidate_steps=candidate_steps, clock=self.clock,
-                               rank=self.rank, initial_policy=self.policy_file_bytes)
+        eng = EngineController(self.settings, candidate_steps=candidate_steps, states=self.trees,
+                               clock=self.clock, rank=self.rank, initial_policy=self.policy_file_bytes)
         self.engine = eng
         if no_group is not None:
             # Without the group this process cannot tell its rank: every rank would think it is
@@ -130,11 +166,91 @@ class PluginRuntime:
             self._open_transport()
         if self.timer is None and self.rank == 0 and self.telemetry_on:
             self.timer = _default_timer()
-        self.check_hooks()
-        log.info("specctl: engine ready on TP rank %d/%d, mode %s, candidate steps %s, source %s%s",
-                 self.rank, self.world_size, self.settings.mode, sorted(eng.candidate_steps),
+        log.info("specctl: engine ready on TP rank %d/%d, mode %s, runtime states %s, source %s%s",
+                 self.rank, self.world_size, self.settings.mode, eng.describe_states(),
                  eng.active_source, f" ({eng.fallback_reason})" if eng.fallback_reason else "")
         return eng
+
+    def _usable_trees(self, trees: dict[int, Config], candidate_steps: list[int]) -> dict[int, Config]:
+        """The requested trees, or none (said loudly, and the keys are then built as chains) when
+        this process cannot run them safely."""
+        self.check_hooks(tree_hooks=bool(trees))
+        if not trees:
+            return {}
+        names = ", ".join(config_name(c) for c in trees.values())
+        why = None
+        missing = [t for t in self.targets.tree_targets() if f"hook on {t} " in " ".join(self.hook_problems)]
+        if missing:
+            why = f"the tree hooks on {', '.join(missing)} did not take effect"
+        elif not set(trees) <= set(candidate_steps):
+            why = f"the adaptive config's slots do not list steps {sorted(set(trees) - set(candidate_steps))}"
+        elif _env_flag("SGLANG_SPEC_SKIP_ZERO_STEP_DRAFT_EXTEND"):
+            why = ("SGLANG_SPEC_SKIP_ZERO_STEP_DRAFT_EXTEND is set: its stub draft input is as wide as "
+                   "the state's topk, not the tree's")
+        if why:
+            log.error("specctl: tree states %s NOT built: %s; SGLang builds steps %s as chains and "
+                      "policies naming the trees are refused", names, why, sorted(trees))
+            return {}
+        log.info("specctl: tree states %s will be built beside the chains (launch topk 1)", names)
+        return trees
+
+    # ---------------------------------------------------------------- tree states
+
+    def build_state(self, orig: Callable[..., Any], worker: Any, args: tuple, kwargs: dict) -> Any:
+        """AROUND build_adaptive_runtime_state(steps, draft_tokens, cuda_graph_bs): a tree key is
+        built as the tree; a build that fails leaves the key a chain (said, and the engine told)."""
+        names = ("speculative_num_steps", "speculative_num_draft_tokens", "cuda_graph_bs")
+        call = dict(zip(names, args))
+        call.update(kwargs)
+        cfg = self.trees.get(call.get("speculative_num_steps"))  # type: ignore[arg-type]
+        if cfg is None:
+            return orig(worker, *args, **kwargs)
+        steps, topk, n = cfg
+        try:
+            with _tree_build_context(worker, topk, n):
+                state = orig(worker, speculative_num_steps=steps, speculative_num_draft_tokens=n,
+                             cuda_graph_bs=call.get("cuda_graph_bs"))
+            state._specctl_topk = topk
+        except Exception as e:  # noqa: BLE001 - the server starts, with a chain under this key
+            log.exception("specctl: building the tree state %s failed (%s: %s); steps=%d is built "
+                          "as a chain", config_name(cfg), type(e).__name__, e, steps)
+            self.trees.pop(steps, None)
+            self.max_topk = max([c[1] for c in self.trees.values()] + [1])
+            if self.engine is not None:
+                self.engine.replace_state(steps, chain(steps),
+                                          f"the tree {config_name(cfg)} could not be built: {type(e).__name__}: {e}")
+            return orig(worker, *args, **kwargs)
+        log.info("specctl: built tree state %s under steps key %d", config_name(cfg), steps)
+        return state
+
+    def before_apply(self, worker: Any, state: Any) -> None:
+        """BEFORE apply_runtime_state: SGLang swaps steps, widths and buffers but never topk."""
+        topk = getattr(state, "_specctl_topk", 1)
+        if worker.topk != topk:
+            worker.topk = topk
+            worker._draft_worker.topk = topk
+            _set_bag_topk("specctl.apply_tree_state", topk)
+
+    def tree_logits_rows(self, runner: Any, rows: int) -> Optional[int]:
+        """AFTER ModelRunner.max_decode_logits_rows: enough rows for the widest tree's graphs."""
+        sa = runner.server_args
+        path = getattr(sa, "speculative_adaptive_config", None)
+        if not path or not getattr(sa, "speculative_adaptive", False):
+            return None
+        width = self._tree_width_of.get(path)
+        if width is None:
+            from .launch_args import read_tree_states
+
+            try:
+                width = max([c[2] for c in read_tree_states(path).values()] + [0])
+            except (OSError, ValueError) as e:
+                self.warn_once(f"cannot read tree states from {path}: {e}")
+                width = 0
+            self._tree_width_of[path] = width
+        if width <= 1:
+            return None
+        need = max(_capture_sizes(runner, width)) * width
+        return need if need > rows else None
 
     def _open_transport(self) -> None:
         s = self.settings
@@ -162,8 +278,9 @@ class PluginRuntime:
             self.telemetry_on = False
             self.warn_once(f"transport unavailable ({type(e).__name__}: {e}); no telemetry, no daemon policy")
 
-    def check_hooks(self) -> list[str]:
-        """SGLang only logs a hook it could not apply; say clearly which of ours are missing."""
+    def check_hooks(self, tree_hooks: bool = False) -> list[str]:
+        """SGLang only logs a hook it could not apply; say clearly which of ours are missing (the
+        tree hooks only matter, and are only checked, when the adaptive config asks for trees)."""
         try:
             from sglang.srt.plugins.hook_registry import HookRegistry
 
@@ -178,6 +295,9 @@ class PluginRuntime:
             self.targets.result: ("no telemetry and no TP policy sync: daemon policies never apply "
                                   "(fallback, or the policy file)"),
         }
+        if tree_hooks:
+            consequence.update({t: "tree states cannot be built or switched to safely"
+                                for t in self.targets.tree_targets()})
         self.hook_problems = [f"hook on {t} did not take effect: {why}"
                               for t, why in consequence.items() if t not in patched]
         for p in self.hook_problems:
@@ -298,14 +418,29 @@ def make_policy_class(base: type) -> type:
         def __init__(self, initial_steps: int, cfg_path: Optional[str] = None):
             super().__init__(initial_steps, cfg_path)
             self.specctl: Optional[EngineController] = None
+            self._sizing_only: frozenset[int] = frozenset()
             rt = _RUNTIME
             if rt is None:
                 log.error("specctl: policy built without a plugin runtime; SGLang's policy decides")
                 return
             try:
-                self.specctl = rt.new_engine(list(self.candidate_steps))
+                from .launch_args import SIZING_SLOT, read_tree_states
+
+                trees = read_tree_states(cfg_path)
+                sizing = self._slots.get(int(SIZING_SLOT)) if trees else None
+                if sizing is not None:
+                    # the sizing slot's steps only size buffers: no runtime state for them
+                    used = {s for bs, slot in self._slots.items() if bs != int(SIZING_SLOT)
+                            for s in slot.candidate_steps}
+                    self._sizing_only = frozenset(set(sizing.candidate_steps) - used)
+                self.specctl = rt.new_engine(list(self.candidate_steps), trees)
             except Exception as e:  # noqa: BLE001
                 log.exception("specctl: engine start failed (%s); SGLang's policy decides", e)
+
+        @property
+        def candidate_steps(self) -> list[int]:  # SGLang builds one runtime state per entry
+            every = sorted({s for slot in self._slots.values() for s in slot.candidate_steps})
+            return [s for s in every if s not in getattr(self, "_sizing_only", ())]
 
         def get_steps_for_batch(self, batch_size: int) -> int:
             eng = self.specctl
@@ -343,6 +478,13 @@ def install(settings: PluginSettings, *, targets: Targets = SGLANG_TARGETS,
     HookRegistry.register(targets.policy, make_policy_class(base), HookType.REPLACE)
     HookRegistry.register(targets.forward, _around_forward, HookType.AROUND)
     HookRegistry.register(targets.result, _after_resolve, HookType.AFTER)
+    # tree states: pass-throughs unless the adaptive config asks for a tree
+    HookRegistry.register(targets.build, _around_build, HookType.AROUND)
+    HookRegistry.register(targets.apply, _before_apply, HookType.BEFORE)
+    HookRegistry.register(targets.extend_decode, _around_draft_extend, HookType.AROUND)
+    HookRegistry.register(targets.extend_prefill, _around_draft_extend, HookType.AROUND)
+    HookRegistry.register(targets.draft, _before_draft, HookType.BEFORE)
+    HookRegistry.register(targets.logits_rows, _after_logits_rows, HookType.AFTER)
     return rt
 
 
@@ -367,6 +509,115 @@ def _after_resolve(ret: Any, processor: Any, *args: Any, **kwargs: Any) -> None:
         except Exception as e:  # noqa: BLE001
             rt.warn_once(f"result hook error: {type(e).__name__}: {e}")
     return None  # keep SGLang's return value
+
+
+def _around_build(orig: Callable[..., Any], worker: Any, *args: Any, **kwargs: Any) -> Any:
+    rt = _RUNTIME
+    if rt is None or not rt.trees:
+        return orig(worker, *args, **kwargs)
+    return rt.build_state(orig, worker, args, kwargs)
+
+
+def _before_apply(worker: Any, *args: Any, **kwargs: Any) -> None:
+    rt = _RUNTIME
+    if rt is not None and rt.trees:
+        # not guarded: running a state with the wrong topk would be worse than an error here
+        rt.before_apply(worker, args[0] if args else kwargs["state"])
+    return None
+
+
+def _around_draft_extend(orig: Callable[..., Any], draft_worker: Any, *args: Any, **kwargs: Any) -> Any:
+    """The next step's draft input is always max_topk wide, whichever state runs now."""
+    rt = _RUNTIME
+    width = rt.max_topk if rt is not None else 1
+    own = draft_worker.topk
+    if width <= own:
+        return orig(draft_worker, *args, **kwargs)
+    draft_worker.topk = width
+    try:
+        return orig(draft_worker, *args, **kwargs)
+    finally:
+        draft_worker.topk = own
+
+
+def _before_draft(draft_worker: Any, *args: Any, **kwargs: Any) -> None:
+    """A chain (or a narrower tree) drafts from the first columns of the wide top-k: column 0 is
+    the argmax the chain would have taken itself."""
+    rt = _RUNTIME
+    if rt is None or rt.max_topk <= 1:
+        return None
+    batch = args[0] if args else kwargs["batch"]
+    info = batch.spec_info
+    idx = getattr(info, "topk_index", None)
+    k = draft_worker.topk
+    if idx is not None and idx.dim() == 2 and idx.shape[1] > k:
+        info.topk_index = idx[:, :k].contiguous()
+        info.topk_p = info.topk_p[:, :k].contiguous()
+    return None
+
+
+def _after_logits_rows(ret: Any, runner: Any, *args: Any, **kwargs: Any) -> Any:
+    rt = _RUNTIME
+    if rt is None:
+        return None
+    try:
+        return rt.tree_logits_rows(runner, int(ret))
+    except Exception as e:  # noqa: BLE001 - SGLang's own sizing stands; a tree graph may then fail
+        rt.warn_once(f"logits-rows hook error: {type(e).__name__}: {e}")
+        return None
+
+
+@contextmanager
+def _tree_build_context(worker: Any, topk: int, n: int) -> Iterator[None]:
+    """What a tree build must see, undone afterwards: topk on both workers and in the spec bag
+    (backends and 0.5.23's graph runners read it there), and topk and width in ServerArgs, where
+    0.5.17's draft graph runners read them (through its sanctioned override(), provenance kept)."""
+    rc = _runtime_context()
+    dw = worker._draft_worker
+    own = (worker.topk, dw.topk)
+    bag_topk = rc.get_spec().speculative_eagle_topk
+    args = {}
+    for sa in (rc.get_server_args(), getattr(worker, "server_args", None),
+               getattr(getattr(dw, "draft_runner", None), "server_args", None),
+               getattr(getattr(getattr(worker, "_target_worker", None), "model_runner", None), "server_args", None)):
+        if sa is not None and hasattr(sa, "override"):
+            args[id(sa)] = (sa, sa.speculative_eagle_topk, sa.speculative_num_draft_tokens)
+    worker.topk = dw.topk = topk
+    _set_bag_topk("specctl.tree_build", topk)
+    try:
+        for sa, _, _ in args.values():
+            sa.override("specctl.tree_build", speculative_eagle_topk=topk, speculative_num_draft_tokens=n)
+        yield
+    finally:
+        for sa, k0, n0 in args.values():
+            sa.override("specctl.tree_build_restore", speculative_eagle_topk=k0, speculative_num_draft_tokens=n0)
+        _set_bag_topk("specctl.tree_build_restore", bag_topk)
+        worker.topk, dw.topk = own
+
+
+def _set_bag_topk(source: str, topk: int) -> None:
+    _runtime_context().get_context().override(source, speculative_eagle_topk=topk)
+
+
+def _capture_sizes(runner: Any, width: int) -> list[int]:
+    """The decode batch sizes SGLang captures graphs for at this width (what sizes the buffer)."""
+    from sglang.srt.model_executor import model_runner as mr_mod
+
+    return list(mr_mod.get_batch_sizes_to_capture(runner, width)[0])
+
+
+def _runtime_context() -> Any:
+    """sglang.srt.runtime_context (get_context / get_spec / get_server_args); the CPU tests put a
+    stand-in here, since the real module needs transformers and a published server config."""
+    from sglang.srt import runtime_context
+
+    return runtime_context
+
+
+def _env_flag(name: str) -> bool:
+    import os
+
+    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
 
 
 def _sglang_tp_group() -> Any:

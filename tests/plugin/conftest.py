@@ -3,6 +3,7 @@ they run once per installed sglang version: `.cache/sglang-<version>/bin/python 
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import os
 import sys
@@ -82,13 +83,36 @@ def plugged():
                           sglang_hooks._around_forward, HookType.AROUND)
     HookRegistry.register(f"{STANDIN}.ResultProcessorStandin._resolve_spec_v2_tokens",
                           sglang_hooks._after_resolve, HookType.AFTER)
+    # the tree hooks, on the tree stand-ins (the real targets need CUDA-only modules); the start-up
+    # check then looks for these
+    tree = dict(build=f"{STANDIN}.TreeWorkerStandin.build_adaptive_runtime_state",
+                apply=f"{STANDIN}.TreeWorkerStandin.apply_runtime_state",
+                extend_decode=f"{STANDIN}.DraftWorkerStandin._draft_extend_for_decode",
+                extend_prefill=f"{STANDIN}.DraftWorkerStandin._draft_extend_for_prefill",
+                draft=f"{STANDIN}.DraftWorkerStandin.draft")
+    HookRegistry.register(tree["build"], sglang_hooks._around_build, HookType.AROUND)
+    HookRegistry.register(tree["apply"], sglang_hooks._before_apply, HookType.BEFORE)
+    HookRegistry.register(tree["extend_decode"], sglang_hooks._around_draft_extend, HookType.AROUND)
+    HookRegistry.register(tree["extend_prefill"], sglang_hooks._around_draft_extend, HookType.AROUND)
+    HookRegistry.register(tree["draft"], sglang_hooks._before_draft, HookType.BEFORE)
+    tree["logits_rows"] = f"{STANDIN}.ModelRunnerStandin.max_decode_logits_rows"
+    HookRegistry.register(tree["logits_rows"], sglang_hooks._after_logits_rows, HookType.AFTER)
     HookRegistry.apply_hooks()
+    rt.targets = dataclasses.replace(rt.targets, **tree)
     rt.rundir = rundir
     yield rt
     rt.close()
     _unpatch_policy_class()
     HookRegistry.reset()
     sglang_hooks._RUNTIME = None
+    # the next module loads the plugin afresh, with unwrapped stand-ins
+    import sglang.srt.plugins
+
+    import specctl.plugin
+
+    sglang.srt.plugins._plugins_loaded = False
+    specctl.plugin._registered = False
+    sys.modules.pop(STANDIN, None)
 
 
 def _unpatch_policy_class():

@@ -155,3 +155,187 @@ def run_decode(worker: EAGLEWorkerV2Standin, processor: ResultProcessorStandin, 
     if pending is not None:
         processor._resolve_spec_v2_tokens(*pending)
     return it
+
+
+# ----------------------------------------------------------------------------- tree states
+# What SGLang 0.5.17's EAGLEWorkerV2 / EagleDraftWorker do with topk and widths around a state
+# switch (eagle_worker_v2.py: _override_worker_state, apply_runtime_state, draft,
+# _draft_extend_for_prefill/_decode; base_spec_worker.py: _rebuild_topk1_chain_buffers;
+# overlap_utils.py: the FutureMap relay sized by its first stash), with the checks whose failure on
+# a GPU is a crash raised here as the same kind of error.
+
+
+class ServerArgsStandin:
+    """ServerArgs: read by 0.5.17's draft graph runners; changed only through override()."""
+
+    def __init__(self, cfg_path: str, steps: int):
+        self.speculative_eagle_topk = 1
+        self.speculative_num_steps = steps
+        self.speculative_num_draft_tokens = steps + 1
+        self.speculative_adaptive = True
+        self.speculative_adaptive_config = cfg_path
+        self.mutations: list[tuple[str, dict]] = []
+
+    def override(self, source: str, **fields) -> None:
+        self.mutations.append((source, dict(fields)))
+        for k, v in fields.items():
+            setattr(self, k, v)
+
+
+class RuntimeContextStandin:
+    """sglang.srt.runtime_context: get_context().override() writes the spec bag, get_spec() reads it."""
+
+    def __init__(self, server_args: ServerArgsStandin):
+        from types import SimpleNamespace
+
+        self.sa = server_args
+        self.bag = SimpleNamespace(speculative_eagle_topk=server_args.speculative_eagle_topk,
+                                   speculative_num_steps=server_args.speculative_num_steps,
+                                   speculative_num_draft_tokens=server_args.speculative_num_draft_tokens)
+
+    def get_context(self):
+        return self
+
+    def get_spec(self):
+        return self.bag
+
+    def get_server_args(self):
+        return self.sa
+
+    def override(self, source: str, **fields) -> None:
+        for k, v in fields.items():
+            setattr(self.bag, k, v)
+
+
+class _DraftInput:
+    def __init__(self, bs: int, topk: int):
+        import torch
+
+        self.topk_p = torch.rand(bs, topk)
+        self.topk_index = torch.arange(bs * topk).reshape(bs, topk)
+
+
+def _size_mismatch(a: int, b: int) -> RuntimeError:
+    return RuntimeError(f"The size of tensor a ({a}) must match the size of tensor b ({b}) at non-singleton dimension 1")
+
+
+class DraftWorkerStandin:
+    def __init__(self, server_args: ServerArgsStandin):
+        from types import SimpleNamespace
+
+        self.server_args = server_args
+        self.draft_runner = SimpleNamespace(server_args=server_args)
+        self.topk = server_args.speculative_eagle_topk
+        self.speculative_num_steps = server_args.speculative_num_steps
+        self.speculative_num_draft_tokens = server_args.speculative_num_draft_tokens
+        self.relay_width: Optional[int] = None  # FutureMap topk buffers: sized by the first stash
+        self.drafted: list[tuple[int, int]] = []  # (steps, topk) of every draft
+        self._rebuild_topk1_chain_buffers()
+
+    def _rebuild_topk1_chain_buffers(self) -> None:
+        if self.topk != 1:
+            return
+        assert self.speculative_num_draft_tokens == self.speculative_num_steps + 1, (
+            "topk=1 requires speculative_num_draft_tokens == speculative_num_steps + 1, "
+            f"got {self.speculative_num_draft_tokens} and {self.speculative_num_steps}")
+
+    def _stash(self, info: _DraftInput) -> _DraftInput:
+        w = info.topk_index.shape[1]
+        if self.relay_width is None:
+            self.relay_width = w
+        elif w != self.relay_width:
+            raise _size_mismatch(w, self.relay_width)
+        return info
+
+    def _draft_extend_for_prefill(self, batch: Batch, *args) -> _DraftInput:
+        return self._stash(_DraftInput(len(batch.reqs), self.topk))  # fast_topk(probs, self.topk)
+
+    def _draft_extend_for_decode(self, batch: Batch, result: Result) -> _DraftInput:
+        # argmax when topk == 1, fast_topk(probs, self.topk) otherwise; one row per request
+        return self._stash(_DraftInput(len(batch.reqs), self.topk))
+
+    def draft(self, batch: Batch) -> None:
+        w = batch.spec_info.topk_index.shape[1]
+        if w != self.topk:  # the chain fast path / the draft graph's static [bs, topk] buffers
+            raise _size_mismatch(w, self.topk)
+        self.drafted.append((self.speculative_num_steps, self.topk))
+
+
+class TreeWorkerStandin(EAGLEWorkerV2Standin):
+    """EAGLEWorkerV2 with a draft worker: topk lives on both workers, the spec bag and ServerArgs."""
+
+    def __init__(self, initial_steps: int, cfg_path: str, accept, rc: RuntimeContextStandin):
+        self.server_args = rc.sa
+        self.rc = rc
+        self.topk = rc.sa.speculative_eagle_topk
+        self._draft_worker = DraftWorkerStandin(rc.sa)
+        self.seen_at_build: dict[int, dict] = {}
+        self.fail_build: Optional[int] = None
+        self.verified: list[tuple[int, int, int]] = []  # (steps, topk, width) of every verify
+        self._next_input: Optional[_DraftInput] = None
+        super().__init__(initial_steps, cfg_path, accept)
+
+    def build_adaptive_runtime_state(self, speculative_num_steps: int, speculative_num_draft_tokens: int,
+                                     cuda_graph_bs: Optional[list[int]] = None):
+        dw = self._draft_worker
+        backup = (dw.speculative_num_steps, dw.speculative_num_draft_tokens,
+                  self.speculative_num_steps, self.speculative_num_draft_tokens)
+        dw.speculative_num_steps = self.speculative_num_steps = speculative_num_steps
+        dw.speculative_num_draft_tokens = self.speculative_num_draft_tokens = speculative_num_draft_tokens
+        try:
+            dw._rebuild_topk1_chain_buffers()
+            self.seen_at_build[speculative_num_steps] = dict(
+                draft_tokens=speculative_num_draft_tokens, worker_topk=self.topk, draft_topk=dw.topk,
+                bag_topk=self.rc.bag.speculative_eagle_topk,
+                server_args=(self.server_args.speculative_eagle_topk, self.server_args.speculative_num_draft_tokens))
+            if self.fail_build == speculative_num_steps and speculative_num_draft_tokens != speculative_num_steps + 1:
+                raise RuntimeError("CUDA out of memory (stand-in)")
+            return super().build_adaptive_runtime_state(speculative_num_steps, speculative_num_draft_tokens,
+                                                        cuda_graph_bs)
+        finally:
+            (dw.speculative_num_steps, dw.speculative_num_draft_tokens,
+             self.speculative_num_steps, self.speculative_num_draft_tokens) = backup
+            dw._rebuild_topk1_chain_buffers()
+
+    def apply_runtime_state(self, state) -> None:
+        if self.speculative_num_steps == state.speculative_num_steps:
+            return
+        self.switches.append((self.speculative_num_steps, state.speculative_num_steps))
+        dw = self._draft_worker
+        self.speculative_num_steps = dw.speculative_num_steps = state.speculative_num_steps
+        self.speculative_num_draft_tokens = dw.speculative_num_draft_tokens = state.speculative_num_draft_tokens
+        dw._rebuild_topk1_chain_buffers()
+        self.rc.override("adaptive_spec.restore", speculative_num_steps=state.speculative_num_steps,
+                         speculative_num_draft_tokens=state.speculative_num_draft_tokens)
+
+    def forward_batch_generation(self, batch: Batch, on_publish=None, grammar_barrier=None) -> Result:
+        dw = self._draft_worker
+        if batch.forward_mode.is_extend() or batch.is_extend_in_batch:
+            self._next_input = dw._draft_extend_for_prefill(batch)
+            return Result(1, [1] * len(batch.reqs))
+        self.activate_step_by_batch(batch.seq_lens.shape[0])
+        steps, n = self.speculative_num_steps, self.speculative_num_draft_tokens
+        batch.spec_info = self._next_input
+        if steps > 0:
+            dw.draft(batch)
+        # verify: a tree's 16 tokens are laid out by topk; a chain's n is steps + 1
+        if (self.topk > 1) != (steps > 0 and n != steps + 1) or self.topk != dw.topk:
+            raise RuntimeError(f"verify of steps={steps} n={n} with topk {self.topk}/{dw.topk}")
+        self.verified.append((steps, self.topk, n))
+        self.used[batch.forward_iter] = (len(batch.reqs), steps)
+        acc = self.accept(batch.forward_iter, len(batch.reqs), steps)
+        res = Result(n, [a + 1 for a in acc])
+        self._next_input = dw._draft_extend_for_decode(batch, res)
+        return res
+
+
+class ModelRunnerStandin:
+    """ModelRunner.max_decode_logits_rows (0.5.17): graph batch sizes x the launch state's width."""
+
+    CAPTURE_BS = [1, 2, 4, 8, 16, 32, 64, 128, 160]
+
+    def __init__(self, server_args: ServerArgsStandin):
+        self.server_args = server_args
+
+    def max_decode_logits_rows(self) -> int:
+        return max(self.CAPTURE_BS) * self.server_args.speculative_num_draft_tokens

@@ -32,9 +32,9 @@ def policy_frame(version: int, rows, *, explore=None, explore_period=None, sourc
     return json.dumps(obj).encode()
 
 
-def make(clock=None, candidates=(0, 1, 3), **kw) -> EngineController:
+def make(clock=None, candidates=(0, 1, 3), states=None, **kw) -> EngineController:
     s = PluginSettings(**{"stale_after_s": 10.0, "sync_every": 4, "policy_endpoint": "ipc:///x", **kw})
-    return EngineController(s, candidate_steps=candidates, clock=clock or Clock())
+    return EngineController(s, candidate_steps=candidates, states=states, clock=clock or Clock())
 
 
 def run_results(eng: EngineController, n: int) -> None:
@@ -264,3 +264,72 @@ def test_decision_log_that_cannot_be_opened_is_reported_not_fatal(tmp_path, capl
     eng = EngineController(s, candidate_steps=(0, 3))
     assert [eng.decide(b) for b in (1, 5)] == [3, 0]
     assert any("no decision log" in r.getMessage() for r in caplog.records)
+
+
+TREE = (2, 4, 16)
+
+
+def tree_frame(version: int, rows) -> bytes:
+    """rows: (min, max, config triple)."""
+    obj = {"kind": "policy", "schema": 1, "version": version, "created_at": 1.0, "source": "online",
+           "table": [{"min_batch": a, "max_batch": b,
+                      "config": {"steps": c[0], "topk": c[1], "draft_tokens": c[2]}} for a, b, c in rows]}
+    return json.dumps(obj).encode()
+
+
+def test_a_tree_state_is_chosen_by_its_key_and_a_chain_under_that_key_is_refused():
+    eng = make(candidates=(0, 1, 2, 3), states={2: TREE})
+    eng.offer_policy_frame(tree_frame(3, [(1, 4, TREE), (5, None, (0, 1, 1))]))
+    run_results(eng, 4)
+    assert (eng.active_source, eng.active_version) == ("online", 3)
+    assert [eng.decide(b) for b in (1, 4, 5)] == [2, 2, 0]  # SGLang's key of the tree state
+    # a chain s2 has no state here (key 2 runs the tree): refused, the fallback takes over
+    eng.offer_policy_frame(tree_frame(4, [(1, None, (2, 1, 3))]))
+    run_results(eng, 4)
+    assert eng.active_source == "fallback"
+    assert "names s2, but the runtime state for steps=2 runs s2k4n16" in eng.fallback_reason
+    # and on a chain-only server the tree is refused the same way
+    chains = make(candidates=(0, 1, 2, 3))
+    chains.offer_policy_frame(tree_frame(5, [(1, None, TREE)]))
+    run_results(chains, 4)
+    assert "names s2k4n16, but the runtime state for steps=2 runs s2" in chains.fallback_reason
+
+
+def test_telemetry_names_the_tree_by_its_width():
+    eng = make(candidates=(0, 2, 3), states={2: TREE})
+    for width, want in [(16, TREE), (4, (3, 1, 4)), (1, (0, 1, 1))]:
+        rec = wire.decode_step(eng.step_record(iter=1, ts=1.0, batch_size=2, draft_tokens=width,
+                                               accepted=[2, 0] if width > 1 else None, step_ms=9.0))
+        assert rec.config.key == want
+
+
+def test_the_fallback_may_be_the_tree():
+    eng = make(candidates=(0, 1, 2), states={2: TREE}, fallback_config=TREE)
+    assert [eng.decide(b) for b in (1, 4, 5, 64)] == [2, 2, 0, 0]
+    # a tree fallback with no tree state: the nearest chain below it
+    eng = make(candidates=(0, 1, 2), fallback_config=(2, 4, 16))
+    assert [eng.decide(b) for b in (1, 5)] == [2, 0] and eng.states[2] == (2, 1, 3)
+
+
+@pytest.mark.parametrize("states, why", [
+    ({2: (3, 4, 16)}, "does not run 2 steps"),
+    ({0: (0, 4, 16)}, "plain decode"),
+    ({5: (5, 1, 6)}, "did not build"),
+    ({2: (2, 4, 4)}, "both verify 4 tokens"),
+])
+def test_inconsistent_states_are_named(states, why):
+    with pytest.raises(ValueError, match=why):
+        make(candidates=(0, 2, 3), states=states)
+
+
+def test_a_tree_that_could_not_be_built_stops_being_offered():
+    eng = make(candidates=(0, 1, 2), states={2: TREE}, fallback_config=TREE)
+    eng.offer_policy_frame(tree_frame(3, [(1, None, TREE)]))
+    run_results(eng, 4)
+    assert eng.decide(1) == 2
+    eng.replace_state(2, (2, 1, 3), "out of memory")
+    assert eng.active_source == "fallback" and "runs s2" in eng.fallback_reason
+    assert eng.states[2] == (2, 1, 3)
+    assert [eng.decide(b) for b in (1, 5)] == [2, 0]  # the fallback's tree became the chain s2
+    rec = wire.decode_step(eng.step_record(iter=1, ts=1.0, batch_size=1, draft_tokens=3, accepted=[1], step_ms=8.0))
+    assert rec.config.key == (2, 1, 3)
