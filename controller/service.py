@@ -69,6 +69,11 @@ class ServiceSettings:
             raise ValueError("switch_z must be >= 0, margin and max_margin in [0, 1]")
         if self.explore_period and self.explore_period < 50:
             raise ValueError("explore_period below 50 would explore more than 2% of steps")
+        if self.candidates is not None and tuple(self.fixed_config) not in {tuple(c) for c in self.candidates}:
+            names = ", ".join(config_name(c) for c in sorted(self.candidates))
+            raise ValueError(f"the fallback configuration {config_name(self.fixed_config)} is not among the "
+                             f"engines' runtime states ({names}): engines would refuse every fallback table; "
+                             f"set --config to one of them")
 
 
 @dataclass
@@ -352,20 +357,21 @@ class ControllerService:
     def _with_acceptance_probes(self, rows: tuple[Row, ...], table: PolicyTable,
                                 options: list[cmpolicy.Option]) -> tuple[Row, ...]:
         """Acceptance is only measured while speculating, and it follows the traffic. Where the
-        table decodes plainly, keep measuring it on exploring steps with the chain that would
-        take over first (the best predicted), unless no chain could beat plain decode there even
-        at the best acceptance it has shown lately (its peak tau, remembered with the step-time
-        half-life, plus 10%): then the outcome is not expected to change and a probe only costs."""
+        table decodes plainly, keep measuring it on exploring steps with the speculative
+        configuration (chain or tree) that would take over first (the best predicted), unless none
+        could beat plain decode there even at the best acceptance it has shown lately (its peak tau,
+        remembered with the step-time half-life, plus 10%, at most steps + 1): then the outcome is
+        not expected to change and a probe only costs."""
         if self.settings.explore_period <= 0 or not self.settings.acceptance_probes:
             return rows
         top = self.model.max_observed_batch()
         by_config = {o.config: o for o in options}
         off = by_config.get(OFF)
-        chains = [o for o in options if o.config[0] > 0 and o.config[1] == 1]
+        spec = [o for o in options if o.config[0] > 0]
         if top <= 0 or off is None:
             return rows
-        if not chains:  # never measured: the longest candidate chain measures every position
-            cand = [c for c in self.candidates() if c[0] > 0 and c[1] == 1]
+        if not spec:  # never measured: the longest candidate chain measures every position
+            cand = [c for c in self.candidates() if c[0] > 0 and c[1] == 1] or [c for c in self.candidates() if c[0] > 0]
             if not cand:
                 return rows
             probes = [Row(lo, hi, max(cand)) for lo, hi in regions(top) if table.lookup(lo)[0] == 0]
@@ -373,7 +379,7 @@ class ControllerService:
             g_off = off.goodput()
             now = self.clock()
             hopeful = {}
-            for o in chains:
+            for o in spec:
                 peak, when = self._tau_peak.get(o.config, (0.0, now))
                 peak = 1.0 + (peak - 1.0) * 2.0 ** (-(now - when) / self.settings.half_life_s)
                 peak = max(peak, o.tokens_per_step)
@@ -384,7 +390,7 @@ class ControllerService:
                 b0 = min(hi, len(g_off)) - 1
                 if table.lookup(lo)[0] != 0 and table.lookup(b0 + 1)[0] != 0:
                     continue  # speculating here already measures acceptance
-                useful = [o for o in chains
+                useful = [o for o in spec
                           if o.goodput()[b0] * hopeful[o.config] / o.tokens_per_step > g_off[b0]]
                 if useful:
                     best = max(useful, key=lambda o: o.goodput()[b0])

@@ -320,3 +320,35 @@ def test_a_stationary_near_tie_does_not_churn_the_table():
     # a 2% lead on a minute of traffic is evidence: s3 everywhere, and it stays
     churn, last = _table_changes(_near_tie(0.02), switch_z=2.0)
     assert churn == 0 and last.configs() == [(3, 1, 4)]
+
+
+def test_a_tree_competes_with_plain_decode_and_is_probed_where_plain_decode_runs():
+    """The seed operator's candidates: plain decode and an EAGLE-3 tree (topk 4, 2 steps, 16
+    tokens), no chain. The table follows the measured goodput, and where it decodes plainly the
+    tree keeps being measured on exploring steps (no chain exists to probe with)."""
+    from specctl.training.synth import ConfigTruth, GroundTruth
+
+    tree = (2, 4, 16)
+    # tau 2.62; the tree pays below batch 26 and loses by little above: a little more acceptance
+    # would turn it, so it is worth probing where plain decode runs
+    truth = GroundTruth((ConfigTruth((0, 1, 1), 6.0, 0.02), ConfigTruth(tree, 13.0, 0.16, (0.9, 0.8))))
+    clock = Clock()
+    svc = ControllerService(ServiceSettings(refit_interval_s=1, candidates=((0, 1, 1), tree), fixed_config=tree),
+                            clock=clock)
+    feed(svc, clock, truth, 12000, list(range(1, 40)))
+    clock.t += 1
+    svc.tick()
+    t = table(svc)
+    assert set(t.configs()) == {(0, 1, 1), tree}
+    assert t.lookup(2) == tree and t.lookup(36) == (0, 1, 1)
+    assert abs(t.spec_off_crossover() - truth.crossover()) <= 2
+    assert svc.model.tokens_per_step(tree) == pytest.approx(truth.configs[1].tokens_per_step(), abs=0.1)
+    probes = [r for r in (svc.policy.explore or []) if r.config.key == tree]
+    assert probes and all(t.lookup(r.min_batch) == (0, 1, 1) or t.lookup(r.max_batch or 40) == (0, 1, 1)
+                          for r in probes)
+
+
+def test_a_fallback_the_engines_have_no_state_for_is_refused_up_front():
+    with pytest.raises(ValueError, match="fallback configuration s3 is not among the engines' runtime states"):
+        ServiceSettings(candidates=((0, 1, 1), (1, 1, 2), (2, 4, 16)))
+    ServiceSettings(candidates=((0, 1, 1), (2, 4, 16)), fixed_config=(2, 4, 16))
