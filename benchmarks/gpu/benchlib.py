@@ -15,7 +15,10 @@ SKIP_DE = "+skipde"  # policy suffix: SGLANG_SPEC_SKIP_ZERO_STEP_DRAFT_EXTEND=1 
 
 
 def parse_policy(pol):
-    """'off' | 'static:sN' | 'threshold:T:sN' | 'plugin-fixed:T:sN' | 'sglang-adaptive' | 'specctl' -> dict.
+    """'off' | 'static:C' | 'threshold:T:C' | 'plugin-fixed:T:C' | 'sglang-adaptive' | 'specctl' | 'specctl:TREE'
+    -> dict; C is a configuration: sN (chain), tree (the seed operator's s2k4n16) or sNkKnD.
+    threshold:T:<tree> runs as plugin-fixed (SGLang's adaptive mode refuses topk != 1); specctl:<tree> is the
+    plugin online with the runtime states off, its launch chain s1 and the tree.
     plugin-fixed:T:sN is threshold:T:sN decided by the specctl plugin in fixed mode (telemetry to a
     daemon): the same server with and without the plugin, for the overhead figure; plugin-fixed:1:sN is
     plain decode inside the EAGLE-3 server at every batch size (the steps-0 state's cost).
@@ -30,25 +33,79 @@ def parse_policy(pol):
     return p
 
 
+TREE = (2, 4, 16)  # the seed operator's EAGLE-3 tree: --speculative-eagle-topk 4 --speculative-num-steps 2 --speculative-num-draft-tokens 16
+R_TREE = re.compile(r"s(\d+)k(\d+)n(\d+)$")
+
+
+def parse_config(tok):
+    """'sN' (chain) | 'tree' (TREE) | 'sNkKnD' -> (steps, topk, draft_tokens)."""
+    if tok == "tree":
+        return TREE
+    m = R_TREE.match(tok)
+    if m:
+        return tuple(int(x) for x in m.groups())
+    if re.fullmatch(r"s\d+", tok):
+        return (int(tok[1:]), 1, int(tok[1:]) + 1)
+    raise ValueError(f"unknown configuration {tok!r} (sN, tree or sNkKnD)")
+
+
 def _parse_policy(pol):
     if pol == "off":
         return {"kind": "off"}
     if pol in ("sglang-adaptive", "specctl"):
         return {"kind": pol}
     parts = pol.split(":")
-    if parts[0] == "static" and len(parts) == 2 and parts[1].startswith("s"):
-        return {"kind": "static", "steps": int(parts[1][1:])}
-    if parts[0] in ("threshold", "plugin-fixed") and len(parts) == 3 and parts[2].startswith("s"):
-        p = {"kind": parts[0], "threshold": int(parts[1]), "steps": int(parts[2][1:])}
+    if parts[0] == "specctl" and len(parts) == 2:  # specctl choosing among off, its launch chain and a tree
+        c = parse_config(parts[1])
+        if c[1] == 1:
+            raise ValueError(f"{pol!r}: specctl:<tree> takes a tree; chains are the plain 'specctl' policy")
+        return {"kind": "specctl", "config": c}
+    if parts[0] == "static" and len(parts) == 2:
+        c = parse_config(parts[1])
+        return {"kind": "static", "steps": c[0], "config": c}
+    if parts[0] in ("threshold", "plugin-fixed") and len(parts) == 3:
+        c = parse_config(parts[2])
+        p = {"kind": parts[0], "threshold": int(parts[1]), "steps": c[0], "config": c}
+        if c[1] > 1 and p["kind"] == "threshold":
+            # SGLang's adaptive mode refuses topk != 1 (it falls back to the static tree): the threshold is the
+            # plugin's, in fixed mode, with the tree built as an extra runtime state
+            p.update(kind="plugin-fixed", decided_by="specctl plugin, fixed mode (SGLang refuses adaptive trees)")
         if p["threshold"] < (1 if p["kind"] == "plugin-fixed" else 2):
             raise ValueError(f"{pol!r}: threshold too small (SGLang's slots need T >= 2; the plugin's T >= 1)")
         return p
     raise ValueError(f"unknown policy {pol!r}")
 
 
-def eagle_args(draft, steps):
-    return ["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", draft, "--speculative-eagle-topk", "1",
-            "--speculative-num-steps", str(steps), "--speculative-num-draft-tokens", str(steps + 1)]
+def config_name(c):
+    return "off" if c[0] == 0 else f"s{c[0]}" if c[1] == 1 else f"s{c[0]}k{c[1]}n{c[2]}"
+
+
+def daemon_configs(p):
+    """`specctl serve --configs` for a plugin policy: exactly the runtime states its server builds."""
+    c = p.get("config")
+    if c is None or c[1] == 1:
+        return None  # specctl_side.CONFIGS
+    return ",".join(config_name(x) for x in tree_launch(p)[3])
+
+
+def tree_launch(p):
+    """(flags without the draft path, env, adaptive config, state configs) of a plugin policy with a tree, from
+    specctl's own `specctl sglang-args` logic: launched as a topk-1 chain, the tree built as one more state."""
+    from specctl.plugin import launch_args
+    fixed = p["kind"] == "plugin-fixed"
+    la = launch_args.build([(0, 1, 1), p["config"]], fallback_config=p["config"],
+                           fallback_threshold=p["threshold"] if fixed else launch_args.DEFAULT_THRESHOLD,
+                           mode="fixed" if fixed else "online")
+    steps = la.adaptive_config["1"]["candidate_steps"]
+    trees = {int(k): tuple(v) for k, v in la.adaptive_config.get("specctl", {}).get("states", {}).items()}
+    states = [trees.get(s, (s, 1, s + 1) if s else (0, 1, 1)) for s in steps]
+    i = la.flags.index("--speculative-adaptive-config")
+    return la.flags[:i] + la.flags[i + 2:], la.env, la.adaptive_config, states
+
+
+def eagle_args(draft, steps, topk=1, draft_tokens=None):
+    return ["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", draft, "--speculative-eagle-topk", str(topk),
+            "--speculative-num-steps", str(steps), "--speculative-num-draft-tokens", str(draft_tokens or steps + 1)]
 
 
 def policy_launch_args(pol, draft, specctl_max_steps=3):
@@ -64,7 +121,10 @@ def _launch_args(p, draft, specctl_max_steps):
     if p["kind"] == "off":
         return [], {}, None
     if p["kind"] == "static":
-        return eagle_args(draft, p["steps"]), {}, None
+        return eagle_args(draft, *p["config"]), {}, None
+    if p.get("config", (0, 1))[1] > 1:  # plugin-fixed:T:tree, specctl:tree
+        flags, env, cfg, _ = tree_launch(p)
+        return flags + ["--speculative-draft-model-path", draft], dict(env, SGLANG_PLUGINS="specctl"), cfg
     if p["kind"] in ("threshold", "plugin-fixed"):
         # spec with N steps below the threshold, steps 0 (1-token verify) from it up; launch at N (largest candidate)
         cfg = {"1": {"candidate_steps": [p["steps"]]}, str(p["threshold"]): {"candidate_steps": [0]}}
@@ -175,7 +235,8 @@ def profile_from_runs(runs, name, source="log"):
         if p["kind"] == "off":
             key, c = "off", {"steps": 0, "topk": 1, "draft_tokens": 1}
         elif p["kind"] == "static":
-            key, c = f"s{p['steps']}", {"steps": p["steps"], "topk": 1, "draft_tokens": p["steps"] + 1}
+            key = config_name(p["config"])
+            c = dict(zip(("steps", "topk", "draft_tokens"), p["config"]))
         else:
             continue
         lg = row.get("log") or {}
@@ -197,10 +258,10 @@ def profile_from_runs(runs, name, source="log"):
             "noise_cv": round(st.median(cvs), 4) if cvs else 0.05}
 
 
-def identity_report(outputs):
-    """outputs: {policy: {prompt id: greedy output ids}} -> per policy, how many prompts match 'off' token for
-    token and where the first differing token is (None where identical)."""
-    ref = outputs.get("off")
+def identity_report(outputs, ref_policy="off"):
+    """outputs: {policy: {prompt id: greedy output ids}} -> per policy, how many prompts match `ref_policy`'s
+    token for token and where the first differing token is (None where identical)."""
+    ref = outputs.get(ref_policy)
     rep = {}
     for pol, outs in outputs.items():
         if ref is None:

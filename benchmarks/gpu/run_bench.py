@@ -45,7 +45,7 @@ import urllib.request
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import prompts as P  # noqa: E402
-from benchlib import (identity_report, parse_decode_lines, parse_policy, policy_launch_args, profile_from_runs,  # noqa: E402
+from benchlib import (daemon_configs, identity_report, parse_decode_lines, parse_policy, policy_launch_args, profile_from_runs,  # noqa: E402
                       server_args, summarize_requests)
 import specctl_side as SC  # noqa: E402
 
@@ -198,9 +198,8 @@ def finish_plugin_run(sv, srv, out):
         sdir = os.path.dirname(d.log_path)
         d.save(os.path.join(sdir, "policies.json"))
         from specctl.policies.fixed import DEFAULT_CONFIG, DEFAULT_THRESHOLD, fixed_threshold
-        from specctl.policies.table import chain
-        p = parse_policy(sv["policy"])  # plugin-fixed:T:sN sets the plugin's fallback; specctl keeps the defaults
-        fb = fixed_threshold(p.get("threshold", DEFAULT_THRESHOLD), chain(p["steps"]) if "steps" in p else DEFAULT_CONFIG)
+        p = parse_policy(sv["policy"])  # plugin-fixed:T:C sets the plugin's fallback; specctl:TREE falls back to its tree
+        fb = fixed_threshold(p.get("threshold", DEFAULT_THRESHOLD), tuple(p["config"]) if "config" in p else DEFAULT_CONFIG)
         dec = SC.read_decisions(os.path.join(sdir, "decisions-rank0.txt"))
         aud = SC.audit_decisions(dec, {v: x["policy"] for v, x in d.policies.items()}, fallback=fb)
         aud["sglang_switch_lines"] = SC.count_switch_lines(open(sv["log"]).read())
@@ -285,11 +284,16 @@ def main():
             os.makedirs(sdir, exist_ok=True)
             rundir = f"/tmp/specctl-run-{port}"
             shutil.rmtree(f"/tmp/specctl-state-{port}", ignore_errors=True)  # every run learns from scratch
+            pp = parse_policy(pol)
+            kind, configs = pp["kind"], daemon_configs(pp)
+            extra = () if kind == "specctl" else ("--mode", "fixed")
+            if configs:  # a tree: the daemon's fallback is the plugin's (the tree below the threshold)
+                extra += ("--config", ",".join(map(str, pp["config"])), "--threshold", str(pp.get("threshold", 5)))
             side = SC.Daemon(rundir=rundir, state_dir=f"/tmp/specctl-state-{port}", site=site,
                              log_path=os.path.join(sdir, "serve.log"), record_dir=os.path.join(sdir, "telemetry"),
-                             extra=() if pol == "specctl" else ("--mode", "fixed"))
+                             configs=configs or SC.CONFIGS, extra=extra)
             side.start()
-            mode = "online" if pol == "specctl" else "fixed"
+            mode = "online" if kind == "specctl" else "fixed"
             env.update(SC.plugin_env(mode=mode, rundir=rundir, server_id=f"{a.variant}-{tag}",
                                      decision_log=os.path.join(sdir, "decisions-rank{rank}.txt")))
             env.update(env_extra)  # plugin-fixed: its threshold and config
@@ -301,7 +305,7 @@ def main():
         """Warm-up, specctl's learning pass, the identity probe, the accept-length evaluation."""
         pol, srv = sv["policy"], result["servers"][sv["policy"]]
         asyncio.run(closed_loop(sv["port"], mixed[:8], 8, 8, 16))
-        if pol == "specctl" and a.specctl_learn:
+        if parse_policy(pol)["kind"] == "specctl" and a.specctl_learn:
             t_learn = time.time()
             for c in (int(x) for x in a.specctl_learn.split(",") if x):
                 if time.time() > deadline - 60:
@@ -425,7 +429,11 @@ def main():
         finally:
             for sv in live:
                 retire(sv)
-    result["identity"] = identity_report(result["identity"])
+    outputs = result["identity"]
+    result["identity"] = identity_report(outputs)
+    trees = sorted({p for p in outputs if p.startswith("static:") and parse_policy(p)["config"][1] > 1})
+    for ref in trees:  # a tree's own greedy outputs: what specctl:TREE and threshold:T:TREE should reproduce
+        result[f"identity_vs_{ref}"] = identity_report(outputs, ref)
     prof = profile_from_runs(result["runs"], f"h200-smollm2-135m-{a.variant}")
     json.dump(result, open(os.path.join(a.out, f"bench-{a.variant}.json"), "w"), indent=1)
     json.dump(prof, open(os.path.join(a.out, f"profile-{a.variant}.json"), "w"), indent=1)

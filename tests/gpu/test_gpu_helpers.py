@@ -257,3 +257,27 @@ def test_step_costs(tmp_path):
     assert by[("static:s3", 1)]["step_ms"] == 9.0 and "over_off" not in by[("static:s3", 1)]  # no off at c=1
     assert by[("plugin-fixed:5:s3", 2)]["step_ms"] == pytest.approx(5.0)  # a round without lines is skipped
     assert len(pairs) == 1 and pairs[0]["per_round"] == [1.01, 0.99] and pairs[0]["gpu_index"] == 1
+
+
+def test_tree_policies():
+    """The issue-8 policies: SGLang's static tree, the threshold on the tree (the plugin's: SGLang's adaptive
+    mode refuses topk 4) and specctl choosing among off, the launch chain and the tree."""
+    args, env, cfg = B.policy_launch_args("static:tree", "/d")
+    assert cfg is None and env == {} and "--speculative-adaptive" not in args
+    assert [args[args.index(f) + 1] for f in ("--speculative-eagle-topk", "--speculative-num-steps",
+                                               "--speculative-num-draft-tokens")] == ["4", "2", "16"]
+    p = B.parse_policy("threshold:5:tree")
+    assert p["kind"] == "plugin-fixed" and p["config"] == (2, 4, 16) and "SGLang refuses" in p["decided_by"]
+    args, env, cfg = B.policy_launch_args("threshold:5:tree", "/d")
+    assert cfg["specctl"] == {"states": {"2": [2, 4, 16]}} and cfg["1"]["candidate_steps"] == [0, 1, 2]
+    assert args[args.index("--speculative-eagle-topk") + 1] == "1" and "--speculative-adaptive" in args
+    assert args[args.index("--speculative-draft-model-path") + 1] == "/d"
+    assert "--speculative-adaptive-config" not in args  # run_bench adds the path it writes cfg to
+    assert env["SPECCTL_MODE"] == "fixed" and env["SPECCTL_FALLBACK_CONFIG"] == "2,4,16" and env["SGLANG_PLUGINS"] == "specctl"
+    args, env, cfg = B.policy_launch_args("specctl:tree", "/d")
+    assert env["SPECCTL_MODE"] == "online" and cfg["specctl"] == {"states": {"2": [2, 4, 16]}}
+    assert B.daemon_configs(B.parse_policy("specctl:tree")) == "off,s1,s2k4n16"
+    assert B.daemon_configs(B.parse_policy("specctl")) is None
+    assert B.parse_policy("static:s2k4n8")["config"] == (2, 4, 8)
+    with pytest.raises(ValueError):
+        B.parse_policy("specctl:s3")
