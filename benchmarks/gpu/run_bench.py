@@ -228,6 +228,9 @@ def main():
                     help="measure a group's servers round robin per (repetition, level) instead of one after another")
     ap.add_argument("--phase", action="store_true")
     ap.add_argument("--phase-first", action="store_true", help="with --interleave: the phase runs before the sweep")
+    ap.add_argument("--identity-c", type=int, default=16,
+                    help="concurrency of the greedy identity probe (16 prompts, 64 tokens); below a threshold policy's "
+                         "T it compares the speculating states")
     ap.add_argument("--accept-eval", action="store_true", help="all MT-Bench turn-1 / HumanEval prompts at c=16, per spec policy")
     ap.add_argument("--accept-tokens", type=int, default=320)
     ap.add_argument("--phase-scale", type=float, default=1.0, help="multiply phase durations")
@@ -261,7 +264,7 @@ def main():
     site = SC.make_site(a.specctl_site) if plugin_pols else None
     result = {"gpu": None, "sglang": "0.5.17", "model": "SmolLM2-135M-Instruct" + ("" if a.variant == "base" else f" zero-padded ({a.variant})"),
               "variant": a.variant, "draft": a.draft, "new_tokens": a.new_tokens, "prompts": "MT-Bench turn 1 + HumanEval (chat)",
-              "runs": [], "phase_runs": [], "servers": {}, "identity": {}}
+              "runs": [], "phase_runs": [], "servers": {}, "identity": {}, "identity_concurrency": a.identity_c}
     try:
         result["gpu"] = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
                                        text=True).stdout.strip().splitlines()[0]
@@ -313,7 +316,7 @@ def main():
                 asyncio.run(closed_loop(sv["port"], mixed[len(mixed) // 2:], c, max(2 * c, 8), a.new_tokens))
             srv["learn_s"] = round(time.time() - t_learn, 1)
             log(f"specctl learned for {srv['learn_s']} s; policy:", json.dumps(sv["side"].status()["policy"]["table"])[:600])
-        outs, _ = asyncio.run(closed_loop(sv["port"], mixed[:16], 16, 16, 64, stream=False))
+        outs, _ = asyncio.run(closed_loop(sv["port"], mixed[:16], a.identity_c, 16, 64, stream=False))
         result["identity"][pol] = {o.get("pid"): o.get("ids") for o in outs}
         if a.accept_eval and pol != "off":
             acc = {}
