@@ -13,7 +13,6 @@ import argparse
 import json
 import os
 import re
-import statistics as st
 import sys
 import tarfile
 

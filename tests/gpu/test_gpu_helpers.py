@@ -281,3 +281,25 @@ def test_tree_policies():
     assert B.parse_policy("static:s2k4n8")["config"] == (2, 4, 8)
     with pytest.raises(ValueError):
         B.parse_policy("specctl:s3")
+
+
+def test_tree_record_splits_a_sweep_into_its_up_and_down_legs(tmp_path):
+    import tree_results as T
+
+    rows = [{"policy": p, "concurrency": c, "t_start": t, "output_tokens_per_s": 100.0 + t, "accept_length": a}
+            for p, base in (("threshold:5:tree", 0), ("static:tree", 100))
+            for t, (c, a) in enumerate([(1, 2.08), (16, 1.01), (64, 1.01), (16, 1.01), (1, 2.05)], start=base)]
+    got = [(x["policy"], x["concurrency"], leg) for x, leg in T.legs(rows)]
+    assert got[:5] == [("threshold:5:tree", 1, "up"), ("threshold:5:tree", 16, "up"), ("threshold:5:tree", 64, "up"),
+                       ("threshold:5:tree", 16, "down"), ("threshold:5:tree", 1, "down")]
+    d = tmp_path / "call"
+    d.mkdir()
+    (d / "bench-g0.json").write_text(json.dumps({"gpu": "H200", "sglang": "0.5.17", "model": "m", "variant": "8b",
+                                                 "draft": "d", "runs": rows, "phase_runs": [], "servers": {}}))
+    out = tmp_path / "rec.json"
+    sys.argv = ["tree_results.py", str(out), "--sweep", str(d)]
+    T.main()
+    rec = json.loads(out.read_text())
+    acc = {(x["policy"], x["concurrency"]): (x["before"], x["after"]) for x in rec["acceptance_after_off"]}
+    assert acc[("threshold:5:tree", 1)] == (2.08, 2.05) and ("threshold:5:tree", 64) not in acc
+    assert {x["leg"] for x in rec["runs"]} == {"up", "down"}

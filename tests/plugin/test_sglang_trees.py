@@ -207,3 +207,15 @@ def test_the_shared_logits_buffer_is_sized_for_the_tree_width(tree_server, monke
     chain_only = st.ServerArgsStandin(rc.sa.speculative_adaptive_config, 3)
     chain_only.speculative_adaptive_config = None
     assert st.ModelRunnerStandin(chain_only).max_decode_logits_rows() == 160 * 4
+
+
+def test_a_tree_launch_that_sglang_ran_statically_is_named_with_the_launch_that_works(plugged, caplog):
+    """The seed operator's flags (topk 4) with --speculative-adaptive: SGLang drops adaptive mode in the
+    main process with a warning there; the scheduler-side plugin says so, and what to launch instead."""
+    from types import SimpleNamespace
+
+    caplog.set_level(logging.ERROR, logger="specctl.plugin")
+    worker = SimpleNamespace(adaptive_controller=None, topk=4, speculative_num_steps=2, speculative_num_draft_tokens=16)
+    assert plugged._engine_of(SimpleNamespace(model_worker=worker)) is None
+    msgs = [r.getMessage() for r in caplog.records]
+    assert any("--speculative-eagle-topk 4" in m and "specctl sglang-args --configs off,s2k4n16" in m for m in msgs)
