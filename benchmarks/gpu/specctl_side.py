@@ -166,11 +166,11 @@ class Daemon:
 
 
 def policy_obj(version: int, rows: list, *, source: str = "fixed", created_at: Optional[float] = None) -> dict:
-    """A policy object (DESIGN.md) for chain rows (min_batch, max_batch or None, steps), its table written by the
-    product's own PolicyTable (checked: contiguous from batch 1)."""
+    """A policy object (DESIGN.md) for rows (min_batch, max_batch or None, steps of a chain or a (steps, topk,
+    draft_tokens) triple), its table written by the product's own PolicyTable (checked: contiguous from batch 1)."""
     from specctl.policies.table import PolicyTable, chain
 
-    table = PolicyTable.from_rows((lo, hi, chain(steps)) for lo, hi, steps in rows)
+    table = PolicyTable.from_rows((lo, hi, chain(c) if isinstance(c, int) else tuple(c)) for lo, hi, c in rows)
     return {"kind": "policy", "schema": 1, "version": version,
             "created_at": time.time() if created_at is None else created_at, "source": source,
             "table": table.to_rows_obj()}

@@ -39,16 +39,37 @@ TABLES: list[list[tuple[int, Optional[int], int]]] = [
     [(1, None, 0)],
 ]
 CANDIDATES = (0, 1, 3)
+# TP2_TREE=1: the seed operator's tree (topk 4, 2 steps, 16 tokens) is runtime state 2 beside off, s1 and s3
+# (`specctl sglang-args --configs off,s1,s2k4n16,s3`); rows name a configuration triple where it is the tree
+TREE = (2, 4, 16)
+TREE_TABLES: list[list[tuple[int, Optional[int], Any]]] = [
+    [(1, 2, TREE), (3, 7, 1), (8, None, 0)],
+    [(1, None, TREE)],
+    [(1, 4, 3), (5, 12, TREE), (13, None, 0)],
+    [(1, None, 0)],
+    [(1, 3, 1), (4, None, TREE)],
+]
+TREE_CANDIDATES = (0, 1, 2, 3)
 LEVELS = "1,2,4,8,16,32"
 
 
-def table_for(version: int) -> list[tuple[int, Optional[int], int]]:
-    return TABLES[(version - 1) % len(TABLES)]
+def tree_mode() -> bool:
+    return os.environ.get("TP2_TREE", "") == "1"
+
+
+def table_for(version: int) -> list[tuple[int, Optional[int], Any]]:
+    tables = TREE_TABLES if tree_mode() else TABLES
+    return tables[(version - 1) % len(tables)]
+
+
+def key_rows(rows) -> list[tuple[int, Optional[int], int]]:
+    """Rows with SGLang's state key (steps) in place of a configuration triple."""
+    return [(lo, hi, c if isinstance(c, int) else c[0]) for lo, hi, c in rows]
 
 
 def lookup(rows, bs: int) -> int:
     bs = max(1, bs)
-    for lo, hi, steps in rows:
+    for lo, hi, steps in key_rows(rows):
         if bs >= lo and (hi is None or bs <= hi):
             return steps
     raise ValueError(f"no row for batch size {bs}")
@@ -82,7 +103,7 @@ def cmd_publish(endpoint: str, out: str, period_s: float = 0.5, duration_s: floa
                 frame = policy_frame(v)
                 pub.send(frame)
                 f.write(json.dumps({"t": round(time.time(), 4), "version": v,
-                                    "table": [list(r) for r in table_for(v)]}) + "\n")
+                                    "table": [list(r) for r in key_rows(table_for(v))]}) + "\n")
                 nxt = max(nxt + period_s, time.time() + period_s / 2)  # never a burst after a stall
                 while True:
                     if stop is not None and stop.is_set():
@@ -154,7 +175,8 @@ def _fallback_lookup():
     try:
         from specctl.plugin.engine import EngineController, PluginSettings
 
-        eng = EngineController(PluginSettings(mode="fixed"), candidate_steps=CANDIDATES)
+        eng = (EngineController(PluginSettings(mode="fixed"), candidate_steps=TREE_CANDIDATES, states={2: TREE})
+               if tree_mode() else EngineController(PluginSettings(mode="fixed"), candidate_steps=CANDIDATES))
         return lambda bs: eng.fallback.lookup(bs)[0]
     except Exception:  # noqa: BLE001
         return None

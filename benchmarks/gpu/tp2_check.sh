@@ -13,6 +13,8 @@
 # 5. tp2_check.py compare: rank 0 vs rank 1 line by line, versions applied, tables followed -> summary.json
 # $OUT (7 files): tp2.log summary.json decisions-rank0.txt decisions-rank1.txt server.log client.json extra.tar.xz
 #   (extra: telemetry.jsonl published.jsonl listener.log publisher.log)
+# TP2_TREE=1: the tree (topk 4, 2 steps, 16 tokens) is one more runtime state (key 2) beside off, s1, s3, launched
+#   with `specctl sglang-args`' adaptive config and flags; the published tables name it (tp2_check.py TREE_TABLES)
 # Overridable for a CPU dry run (tests/gpu/test_tp2_check.py): OUT LIMIT TARGET MIN_DECISIONS LEVELS PERIOD
 #   PORT RUNDIR SITE SP M PREFILL_GRAPH(=1: keep the prefill CUDA graph) TP2_LEVEL_S TP2_MAX_NEW TP2_REQ_TIMEOUT
 set -u
@@ -52,7 +54,8 @@ cleanup(){
 }
 trap cleanup EXIT
 
-log "tp2_check: LIMIT=$LIMIT TARGET=$TARGET LEVELS=$LEVELS PERIOD=$PERIOD OUT=$OUT"
+export TP2_TREE=${TP2_TREE:-0}  # the publisher and the compare step read it too
+log "tp2_check: LIMIT=$LIMIT TARGET=$TARGET LEVELS=$LEVELS PERIOD=$PERIOD TP2_TREE=$TP2_TREE OUT=$OUT"
 log "env: NCCL_NVLS_ENABLE=$NCCL_NVLS_ENABLE TORCH_SYMM_MEM_DISABLE_MULTICAST=$TORCH_SYMM_MEM_DISABLE_MULTICAST NVSHMEM_DISABLE_NVLS=$NVSHMEM_DISABLE_NVLS GLOO_SOCKET_IFNAME=$GLOO_SOCKET_IFNAME"
 if command -v nvidia-smi >/dev/null 2>&1; then
   nvidia-smi --query-gpu=index,name,memory.used,memory.total --format=csv,noheader 2>&1 | tee -a "$OUT/tp2.log"
@@ -88,15 +91,26 @@ unset SPECCTL_POLICY_FILE SPECCTL_RUNDIR
 export SGLANG_PLUGINS=specctl SPECCTL_MODE=online SPECCTL_POLICY=$POL SPECCTL_TELEMETRY=$TEL \
   SPECCTL_STALE_AFTER_S=60 SPECCTL_SERVER_ID=tp2-h200 SPECCTL_DECISION_LOG="$OUT/decisions-rank{rank}.txt"
 log "launch server --tp-size 2 (SPECCTL_MODE=$SPECCTL_MODE SPECCTL_POLICY=$POL SPECCTL_DECISION_LOG=$SPECCTL_DECISION_LOG)"
+if [ "${TP2_TREE:-0}" = 1 ]; then
+  # the tree as runtime state 2 beside off, s1, s3: the adaptive config and flags of `specctl sglang-args`
+  SPEC_FLAGS=$(python3 -c "
+import json, sys
+from specctl.plugin import launch_args
+a = launch_args.build([(0, 1, 1), (1, 1, 2), (2, 4, 16), (3, 1, 4)], config_path=sys.argv[1])
+json.dump(a.adaptive_config, open(sys.argv[1], 'w'))
+print(' '.join(a.flags))" "$OUT/adaptive.json") || { log "sglang-args FAILED"; exit 3; }
+else
+  SPEC_FLAGS="--speculative-algorithm EAGLE3 --speculative-eagle-topk 1 --speculative-num-steps 3 \
+    --speculative-num-draft-tokens 4 --speculative-adaptive --speculative-adaptive-config $G/plugin_smoke_adaptive.json"
+fi
+log "speculative flags: $SPEC_FLAGS"
 python3 -m sglang.launch_server --host 127.0.0.1 --port $PORT \
   --model-path $M/target_agree --speculative-draft-model-path $M/draft_agree \
   --tp-size 2 --disable-custom-all-reduce \
   --attention-backend triton --sampling-backend pytorch --grammar-backend none --mem-fraction-static 0.3 \
   --cuda-graph-max-bs-decode 32 $PREFILL_FLAG --mm-feature-transport cpu \
   --decode-log-interval 40 --max-running-requests 32 --watchdog-timeout 120 \
-  --speculative-algorithm EAGLE3 --speculative-eagle-topk 1 --speculative-num-steps 3 --speculative-num-draft-tokens 4 \
-  --speculative-adaptive --speculative-adaptive-config $G/plugin_smoke_adaptive.json \
-  > "$OUT/server.log" 2>&1 &
+  $SPEC_FLAGS > "$OUT/server.log" 2>&1 &
 SPID=$!
 
 # ---- 4. load until TARGET decisions (rank 0's log) or the deadline

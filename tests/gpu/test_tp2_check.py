@@ -256,6 +256,28 @@ def test_publisher_publishes_increasing_versions_cycling_the_tables(tmp_path):
 
 # ----------------------------------------------------------------------------- the script
 
+def test_tree_tables_are_valid_policies_a_tree_engine_accepts(monkeypatch):
+    """TP2_TREE=1: the tables name the tree (runtime state 2) beside off, s1 and s3; a chain-only engine refuses them."""
+    from specctl.plugin.engine import EngineController, PluginSettings
+
+    monkeypatch.setenv("TP2_TREE", "1")
+    eng = EngineController(PluginSettings(mode="online", policy_endpoint="ipc:///nowhere"),
+                           candidate_steps=T.TREE_CANDIDATES, states={2: T.TREE})
+    for v in range(1, len(T.TREE_TABLES) + 1):
+        assert eng.offer_policy_frame(T.policy_frame(v)) is None
+        eng.sync(None)
+        assert eng.active_version == v
+        for bs in (1, 2, 3, 4, 5, 7, 8, 12, 13, 32):
+            assert eng.decide(bs) == T.lookup(T.table_for(v), bs)
+    assert {s for rows in T.TREE_TABLES for _, _, s in T.key_rows(rows)} == set(T.TREE_CANDIDATES)
+    chains = EngineController(PluginSettings(mode="online", policy_endpoint="ipc:///nowhere"),
+                              candidate_steps=T.TREE_CANDIDATES)
+    chains.offer_policy_frame(T.policy_frame(2))
+    chains.sync(None)
+    assert chains.active_source == "fallback" and "s2k4n16" in chains.fallback_reason
+    assert T._fallback_lookup()(3) == 3  # the fallback is the plugin's default (s3 below 5)
+
+
 def test_script_syntax():
     for s in ("tp2_check.sh", "plugin_smoke.sh", "overlay.sh"):
         r = subprocess.run(["bash", "-n", os.path.join(REPO, "benchmarks", "gpu", s)], capture_output=True, text=True)
@@ -290,7 +312,9 @@ MOCK = textwrap.dedent('''
     def engine(rank):
         from specctl.plugin.engine import EngineController, PluginSettings
         s = PluginSettings.from_env(os.environ)
-        eng = EngineController(s, candidate_steps=cands, rank=rank)
+        from specctl.plugin.launch_args import read_tree_states
+        trees = read_tree_states(args[args.index("--speculative-adaptive-config") + 1])
+        eng = EngineController(s, candidate_steps=cands, states=trees, rank=rank)
         logging.getLogger("specctl.plugin").info("specctl: engine ready on TP rank %d/%d, mode %s, candidate steps %s",
                                                  rank, tp, s.mode, sorted(cands))
         return s, eng
@@ -453,6 +477,20 @@ def test_script_dry_run_against_a_cpu_tp2_standin(tmp_path):
 
     with tarfile.open(out / "extra.tar.xz") as tf:
         assert {"telemetry.jsonl", "published.jsonl"} <= set(tf.getnames())
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+def test_script_dry_run_with_the_tree_state(tmp_path):
+    r, out, files, s, msg = _dry_run(tmp_path, extra={"TP2_TREE": "1"})
+    assert r.returncode == 0, msg
+    assert files == sorted(OUT_FILES + ["adaptive.json"]), msg
+    cfg = json.load(open(out / "adaptive.json"))
+    assert cfg["specctl"] == {"states": {"2": [2, 4, 16]}} and cfg["1"]["candidate_steps"] == [0, 1, 2, 3]
+    v = s["verdict"]
+    assert v["ok"] and v["identical"] and s["rank0_decisions"]["table_mismatches"] == 0, msg
+    assert "2" in s["rank0_decisions"]["steps_histogram"], msg  # the tree was chosen
+    assert "--page-size 1" in open(out / "tp2.log").read()
 
 
 @pytest.mark.slow
