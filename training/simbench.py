@@ -70,7 +70,21 @@ class AdaptivePolicy:
             candidate_steps=chains.keys(), clock=self._clock)
         self.num_policies = 0
         self.versions: list[tuple[float, int]] = []
+        self.offset_s = 0.0  # virtual time already served before this workload (warm_up)
+        self.warm_s = 0.0
         self._tick()
+
+    def warm_up(self, profile: Profile, workload: Workload, seconds: float, *, seed: Optional[int] = None) -> None:
+        """Serve `seconds` of other traffic first, on the same engine and daemon, as a server that
+        was already running (or a daemon restarted on its state dir) would have: `calibration_workload`
+        (a concurrency sweep with an even class mix, its own seed); the measured run's clock then
+        continues from there."""
+        if seconds <= 0:
+            return
+        cal = calibration_workload(workload, seconds, seed=(workload.seed if seed is None else seed) + 1000)
+        simulate(profile, cal, self)
+        self.offset_s = self.now
+        self.warm_s = seconds
 
     def _clock(self) -> float:
         return self.now
@@ -87,6 +101,7 @@ class AdaptivePolicy:
         return self._config_for_steps[self.engine.decide(batch_size)]
 
     def observe(self, batch_size: int, config: Config, accepted: Any, step_ms: float, now_s: float) -> None:
+        now_s += self.offset_s
         self.now = now_s
         frame = self.engine.step_record(
             iter=self._iter, ts=now_s, batch_size=batch_size, draft_tokens=config[2],
@@ -160,11 +175,44 @@ class LiveAdaptivePolicy:
 # policies by name
 
 
-def make_policy(name: str | PolicyName, profile: Profile) -> Any:
+def make_policy(name: str | PolicyName, profile: Profile, workload: Optional[Workload] = None,
+                seed: Optional[int] = None) -> Any:
     pn = parse_policy_name(name) if isinstance(name, str) else name
     if pn.kind == "adaptive":
-        return AdaptivePolicy(profile, name=str(pn), service_overrides=service_overrides(pn.options))
+        opts = dict(pn.options)
+        warm = opts.pop(WARM_OPTION, None)
+        pol = AdaptivePolicy(profile, name=str(pn), service_overrides=service_overrides(tuple(opts.items())))
+        if warm is not None:
+            try:
+                warm_s = float(warm)
+            except ValueError:
+                raise ValueError(f"adaptive option {WARM_OPTION}={warm!r}: expected seconds") from None
+            if not warm_s > 0 or workload is None:
+                raise ValueError(f"adaptive option {WARM_OPTION} needs seconds > 0 and a workload")
+            pol.warm_up(profile, workload, warm_s, seed=seed)
+        return pol
     return build_baseline(pn, profile.config_names, profile.configs, profile.step_ms_all)
+
+
+WARM_OPTION = "warm_s"  # adaptive:warm_s=N: N s of calibration traffic served before the workload
+
+
+def calibration_workload(workload: Workload, seconds: float, *, seed: int) -> Workload:
+    """Traffic an already-running server would have served: the workload's request classes, mixed
+    evenly, at concurrencies 1, 2, 4, ... up to the workload's peak, equal time at each."""
+    from .simulator import Phase
+
+    peak = max([p.concurrency or 0 for p in workload.phases] + [workload.max_running or 0, 1])
+    if all(p.concurrency is None for p in workload.phases):  # open loop: concurrency ~ peak rate x latency
+        peak = max(peak, 64)
+    levels = [1]
+    while levels[-1] * 2 <= peak:
+        levels.append(levels[-1] * 2)
+    if levels[-1] < peak:
+        levels.append(peak)
+    mix = {c.name: 1.0 for c in workload.classes}
+    phases = tuple(Phase(duration_s=seconds / len(levels), mix=mix, concurrency=c, name=f"cal-c{c}") for c in levels)
+    return Workload(f"calibration-for-{workload.name}", seed, workload.classes, phases, workload.max_running)
 
 
 def service_overrides(options: Sequence[tuple[str, str]]) -> dict[str, Any]:
@@ -178,7 +226,7 @@ def service_overrides(options: Sequence[tuple[str, str]]) -> dict[str, Any]:
     for k, v in options:
         f = fields.get(k)
         if f is None or k in ("candidates", "fixed_config", "mode"):
-            allowed = sorted(n for n in fields if n not in ("candidates", "fixed_config", "mode"))
+            allowed = sorted([n for n in fields if n not in ("candidates", "fixed_config", "mode")] + [WARM_OPTION])
             raise ValueError(f"adaptive option {k!r} is not a controller setting; one of: {', '.join(allowed)}")
         default = f.default
         try:
@@ -199,7 +247,7 @@ def default_policy_names(profile: Profile) -> list[str]:
 
 def _run_one(args: tuple[str, Profile, Workload, Optional[int]]) -> SimResult:
     name, profile, workload, seed = args
-    return simulate(profile, workload, make_policy(name, profile), seed=seed)
+    return simulate(profile, workload, make_policy(name, profile, workload, seed), seed=seed)
 
 
 def run_many(names: Sequence[str], profile: Profile, workload: Workload, *, seed: Optional[int] = None,
@@ -209,7 +257,7 @@ def run_many(names: Sequence[str], profile: Profile, workload: Workload, *, seed
         if pn.kind in ("static", "threshold", "off"):
             make_policy(pn, profile)
         elif pn.kind == "adaptive":
-            service_overrides(pn.options)
+            service_overrides(tuple((k, v) for k, v in pn.options if k != WARM_OPTION))
     work = [(n, profile, workload, seed) for n in names]
     if jobs > 1 and len(work) > 1:
         with ProcessPoolExecutor(max_workers=jobs) as ex:

@@ -221,6 +221,29 @@ def test_adaptive_runs_the_real_controller_and_engine(caplog):
     assert pol.engine.stats.num_updates_applied >= 1
 
 
+def test_a_warm_adaptive_serves_calibration_traffic_first_on_the_same_controller(caplog):
+    """adaptive:warm_s=N: the engine and daemon first serve N s of a concurrency sweep (the workload's
+    classes, an even mix, another seed), then the workload on a clock that continues from there."""
+    from specctl.training.simbench import calibration_workload
+
+    caplog.set_level(logging.ERROR)
+    prof, wl = load_profile("dense-8b-h200"), load_workload("ramp")
+    cal = calibration_workload(wl, 60, seed=5)
+    assert [p.concurrency for p in cal.phases] == [1, 2, 4, 8, 16, 32, 64, 96]
+    assert abs(cal.duration_s - 60) < 1e-9 and cal.class_names == wl.class_names and cal.seed == 5
+    wl = replace(wl, phases=wl.phases[:3])
+    pol = make_policy("adaptive:warm_s=30", prof, wl)
+    assert pol.warm_s == 30 and pol.offset_s >= 29.0
+    before = pol.service.status()["records_in"]
+    version_before = pol.engine.active_version
+    assert before > 0 and version_before is not None  # a learned table is in force before the workload starts
+    r = simulate(prof, wl, pol)
+    assert pol.service.status()["records_in"] == before + r.num_steps
+    assert r.trace_t[0] < 1.0  # the workload's own clock starts at 0; only the controller's continues
+    with pytest.raises(ValueError, match="warm_s"):
+        make_policy("adaptive:warm_s=abc", prof, wl)
+
+
 def test_truth_policy_sees_the_batch_composition():
     prof, wl = parse_profile(PROFILE), parse_workload(WORKLOAD)
     seen = []
