@@ -440,16 +440,17 @@ def make_policy_class(base: type) -> type:
             if rt is None:
                 log.error("specctl: policy built without a plugin runtime; SGLang's policy decides")
                 return
-            try:
-                from .launch_args import SIZING_SLOT, read_tree_states
+            from .launch_args import SIZING_SLOT, read_tree_states
 
+            sizing = self._slots.get(int(SIZING_SLOT))
+            if sizing is not None:
+                # the sizing slot's steps only size buffers: no runtime state for them (decided before
+                # anything can fail, so that SGLang's own policy never builds them either)
+                used = {s for bs, slot in self._slots.items() if bs != int(SIZING_SLOT)
+                        for s in slot.candidate_steps}
+                self._sizing_only = frozenset(set(sizing.candidate_steps) - used)
+            try:
                 trees = read_tree_states(cfg_path)
-                sizing = self._slots.get(int(SIZING_SLOT)) if trees else None
-                if sizing is not None:
-                    # the sizing slot's steps only size buffers: no runtime state for them
-                    used = {s for bs, slot in self._slots.items() if bs != int(SIZING_SLOT)
-                            for s in slot.candidate_steps}
-                    self._sizing_only = frozenset(set(sizing.candidate_steps) - used)
                 self.specctl = rt.new_engine(list(self.candidate_steps), trees)
             except Exception as e:  # noqa: BLE001
                 log.exception("specctl: engine start failed (%s); SGLang's policy decides", e)

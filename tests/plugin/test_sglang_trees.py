@@ -219,3 +219,19 @@ def test_a_tree_launch_that_sglang_ran_statically_is_named_with_the_launch_that_
     assert plugged._engine_of(SimpleNamespace(model_worker=worker)) is None
     msgs = [r.getMessage() for r in caplog.records]
     assert any("--speculative-eagle-topk 4" in m and "specctl sglang-args --configs off,s2k4n16" in m for m in msgs)
+
+
+def test_a_malformed_specctl_section_leaves_sglang_deciding_without_the_sizing_state(tree_server, plugged, tmp_path, caplog):
+    """An operator's typo in the specctl section: the engine does not start (said), SGLang's own policy
+    decides, and the sizing slot's 15 steps still get no runtime state."""
+    st = standin()
+    cfg = {"1": {"candidate_steps": [0, 1, 2, 3]}, launch_args.SIZING_SLOT: {"candidate_steps": [15]},
+           "specctl": {"states": {"2": [2, 4]}}}
+    (tmp_path / "bad.json").write_text(json.dumps(cfg))
+    caplog.set_level(logging.ERROR, logger="specctl.plugin")
+    rc = st.RuntimeContextStandin(st.ServerArgsStandin(str(tmp_path / "bad.json"), 3))
+    worker = st.TreeWorkerStandin(3, str(tmp_path / "bad.json"), accept_tree, rc)
+    worker.init_cuda_graphs(list(CUDA_GRAPH_BS))
+    assert worker.adaptive_controller.params.specctl is None
+    assert sorted(worker.adaptive_controller._states) == [0, 1, 2, 3]
+    assert any("engine start failed" in r.getMessage() and "specctl.states.2" in r.getMessage() for r in caplog.records)
