@@ -27,6 +27,7 @@ from typing import Any, Optional, Sequence
 
 from ..policies.fixed import DEFAULT_CONFIG, DEFAULT_THRESHOLD
 from ..policies.table import Config, chain
+from ..policies.table import config_name as name
 
 DEFAULT_CANDIDATES: tuple[Config, ...] = ((0, 1, 1), (1, 1, 2), (3, 1, 4))
 SPECCTL_KEY = "specctl"
@@ -78,11 +79,6 @@ def tree_nodes(steps: int, topk: int) -> int:
     """Candidate nodes an EAGLE tree offers its verify: the root, topk at the first step, and topk
     of topk * topk expansions at every later step."""
     return 1 + topk + (steps - 1) * topk * topk
-
-
-def name(c: Sequence[int]) -> str:
-    steps, topk, n = c
-    return "off" if steps == 0 else f"s{steps}" if topk == 1 else f"s{steps}k{topk}n{n}"
 
 
 def tree_states(adaptive_config: Any) -> dict[int, Config]:

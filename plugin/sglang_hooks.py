@@ -23,6 +23,9 @@ plugin/launch_args.py; each hook passes straight through otherwise):
 
 Imported only inside SGLang scheduler processes (plugin/__init__.py gates it). Every hook calls the
 original first-class and swallows its own errors: a fault here falls back, never takes the server down.
+The exceptions are the tree hooks that keep widths consistent (apply, draft extend, draft): they only
+set attributes and slice a tensor, and skipping them on an error would hand a state the wrong width,
+which SGLang would fail on one step later; a failed tree build is caught (the key becomes a chain).
 """
 
 from __future__ import annotations
@@ -600,17 +603,17 @@ def _tree_build_context(worker: Any, topk: int, n: int) -> Iterator[None]:
                getattr(getattr(getattr(worker, "_target_worker", None), "model_runner", None), "server_args", None)):
         if sa is not None and hasattr(sa, "override"):
             args[id(sa)] = (sa, sa.speculative_eagle_topk, sa.speculative_num_draft_tokens)
-    worker.topk = dw.topk = topk
-    _set_bag_topk("specctl.tree_build", topk)
     try:
+        worker.topk = dw.topk = topk
+        _set_bag_topk("specctl.tree_build", topk)
         for sa, _, _ in args.values():
             sa.override("specctl.tree_build", speculative_eagle_topk=topk, speculative_num_draft_tokens=n)
         yield
-    finally:
+    finally:  # the workers first: a failed build is retried as a chain, which must see topk 1
+        worker.topk, dw.topk = own
         for sa, k0, n0 in args.values():
             sa.override("specctl.tree_build_restore", speculative_eagle_topk=k0, speculative_num_draft_tokens=n0)
         _set_bag_topk("specctl.tree_build_restore", bag_topk)
-        worker.topk, dw.topk = own
 
 
 def _set_bag_topk(source: str, topk: int) -> None:
