@@ -134,6 +134,33 @@ class ResultProcessorStandin:
         return [[0] * n for n in result.accept_lens]
 
 
+def telemetry_during(settings, start: Callable[[object], int], run: Callable[[int], object]) -> tuple[int, list]:
+    """Real sockets at the plugin's endpoints: a policy PUB (the daemon's) and a telemetry PULL.
+    `start(pub)` serves until a policy is in force and returns the next forward iteration; then
+    `run(first)` serves on, and every step frame from `first` on comes back decoded."""
+    import zmq
+
+    from specctl.controller import transport, wire
+
+    ctx = zmq.Context.instance()
+    pull = transport.telemetry_pull(ctx, settings.telemetry_endpoint)
+    pull.setsockopt(zmq.RCVTIMEO, 2000)
+    pub = transport.policy_pub(ctx, settings.policy_endpoint)
+    try:
+        first = start(pub)
+        time.sleep(0.2)  # the PUSH reconnects to this fresh PULL
+        while pull.poll(0):
+            pull.recv()
+        run(first)
+        recs = []
+        while pull.poll(200):
+            recs.append(wire.decode_step(pull.recv()))
+    finally:
+        pull.close(linger=0)
+        pub.close(linger=0)
+    return first, [r for r in recs if r.iter >= first]
+
+
 def run_decode(worker: EAGLEWorkerV2Standin, processor: ResultProcessorStandin, sizes: list[int], *,
                start_iter: int = 0, overlap: bool = True, between: Optional[Callable[[int], None]] = None) -> int:
     """SGLang's event loop for decode batches: with overlap, batch N+1 is launched before the

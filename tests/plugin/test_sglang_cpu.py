@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import zmq
 
-from specctl.controller import transport, wire
+from specctl.controller import transport
 from specctl.plugin import launch_args
 from specctl.policies.table import PolicyTable, chain
 
@@ -253,26 +253,13 @@ def test_telemetry_error_turns_telemetry_off_and_leaves_decisions_alone(server, 
 
 
 def test_telemetry_frames_attribute_each_step_to_the_width_that_produced_it(server, plugged):
-    ctx = zmq.Context.instance()
-    pull = transport.telemetry_pull(ctx, plugged.settings.telemetry_endpoint)
-    pub = transport.policy_pub(ctx, plugged.settings.policy_endpoint)
-    pull.setsockopt(zmq.RCVTIMEO, 2000)
-    try:
-        worker, proc, eng = server()
-        rows = [(1, 3, 3), (4, 9, 1), (10, None, 0)]  # switches almost every step with SIZES
-        it = publish_until(pub, policy_frame(41, rows), worker, proc, lambda: eng.active_version == 41)
-        time.sleep(0.2)  # the PUSH reconnects to this fresh PULL
-        while pull.poll(0):
-            pull.recv()
-        first = it
-        load_standin().run_decode(worker, proc, SIZES[:100], start_iter=first, overlap=True)
-        recs = []
-        while pull.poll(200):
-            recs.append(wire.decode_step(pull.recv()))
-    finally:
-        pull.close(linger=0)
-        pub.close(linger=0)
-    recs = [r for r in recs if r.iter >= first]
+    worker, proc, eng = server()
+    rows = [(1, 3, 3), (4, 9, 1), (10, None, 0)]  # switches almost every step with SIZES
+    st = load_standin()
+    first, recs = st.telemetry_during(
+        plugged.settings,
+        lambda pub: publish_until(pub, policy_frame(41, rows), worker, proc, lambda: eng.active_version == 41),
+        lambda first: st.run_decode(worker, proc, SIZES[:100], start_iter=first, overlap=True))
     assert len(recs) >= 90
     for r in recs:
         bs, steps = worker.used[r.iter]

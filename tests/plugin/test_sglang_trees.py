@@ -13,7 +13,7 @@ import time
 import pytest
 import zmq
 
-from specctl.controller import transport, wire
+from specctl.controller import transport
 from specctl.plugin import launch_args, sglang_hooks
 
 pytestmark = pytest.mark.sglang
@@ -127,26 +127,12 @@ def test_switching_every_step_between_off_chains_and_the_tree_keeps_every_width_
 
 
 def test_telemetry_names_tree_steps_by_their_width(tree_server, plugged):
-    ctx = zmq.Context.instance()
-    pull = transport.telemetry_pull(ctx, plugged.settings.telemetry_endpoint)
-    pull.setsockopt(zmq.RCVTIMEO, 2000)
-    pub = transport.policy_pub(ctx, plugged.settings.policy_endpoint)
-    try:
-        worker, proc, eng, _ = tree_server()
-        rows = [(1, 4, TREE), (5, None, (0, 1, 1))]
-        it = publish_until(pub, frame(22, rows), worker, proc, eng, 22)
-        time.sleep(0.2)
-        while pull.poll(0):
-            pull.recv()
-        first = it
-        standin().run_decode(worker, proc, [1, 3, 4, 5, 9] * 10, start_iter=first)
-        recs = []
-        while pull.poll(200):
-            recs.append(wire.decode_step(pull.recv()))
-    finally:
-        pull.close(linger=0)
-        pub.close(linger=0)
-    recs = [r for r in recs if r.iter >= first]
+    worker, proc, eng, _ = tree_server()
+    rows = [(1, 4, TREE), (5, None, (0, 1, 1))]
+    st = standin()
+    first, recs = st.telemetry_during(
+        plugged.settings, lambda pub: publish_until(pub, frame(22, rows), worker, proc, eng, 22),
+        lambda first: st.run_decode(worker, proc, [1, 3, 4, 5, 9] * 10, start_iter=first))
     assert len(recs) >= 45
     for r in recs:
         bs, steps = worker.used[r.iter]
