@@ -152,9 +152,8 @@ class EngineController:
         self.candidate_steps: frozenset[int] = frozenset(int(s) for s in candidate_steps)
         if not self.candidate_steps:
             raise ValueError("no candidate steps: SGLang built no adaptive runtime state")
-        self.states: dict[int, Config] = state_configs(self.candidate_steps, states)
-        # a result names its configuration only by its width (draft tokens verified per request)
-        self._by_width: dict[int, Config] = {c[2]: c for c in self.states.values()}
+        self._config_frag: dict[int, bytes] = {}
+        self._set_states(state_configs(self.candidate_steps, states))
         self.stats = EngineStats()
         self._logged: set[str] = set()
         self.fallback = self._build_fallback(settings.fallback_threshold, settings.fallback_config)
@@ -174,7 +173,6 @@ class EngineController:
             '{"kind":"step","schema":1,"server":' + _json_str(settings.server_id)
             + ',"rank":' + str(int(rank)) + ',"iter":'
         ).encode()
-        self._config_frag: dict[int, bytes] = {}
         self._trace: Any = None
         if settings.decision_log:
             path = settings.decision_log.replace("{rank}", str(int(rank)))
@@ -343,11 +341,7 @@ class EngineController:
     def replace_state(self, key: int, config: Config, reason: str) -> None:
         """SGLang built `config` under `key` instead of what was announced (a tree build failed):
         tables naming the announced configuration are refused from now on."""
-        states = dict(self.states)
-        states[key] = config
-        self.states = state_configs(self.candidate_steps, states)
-        self._by_width = {c[2]: c for c in self.states.values()}
-        self._config_frag.clear()
+        self._set_states(state_configs(self.candidate_steps, {**self.states, key: config}))
         self._log_once("error", f"runtime state {key} runs {wire.config_name(config)}: {reason}")
         why = self.table_problem(self.table) if self.active_source != "fallback" else None
         if why:
@@ -355,6 +349,12 @@ class EngineController:
         self.fallback = self._build_fallback(self.settings.fallback_threshold, self.settings.fallback_config)
         if self.active_source == "fallback":
             self.table = self.fallback
+
+    def _set_states(self, states: dict[int, Config]) -> None:
+        self.states = states
+        # a result names its configuration only by its width (draft tokens verified per request)
+        self._by_width: dict[int, Config] = {c[2]: c for c in states.values()}
+        self._config_frag.clear()  # the step-frame fragments cached per width
 
     def fail(self, reason: str) -> None:
         """An internal error: the fixed-threshold fallback for the rest of this process."""

@@ -131,11 +131,12 @@ class PluginRuntime:
         self.telemetry_on = False
         self.sync_on = True
         self.hook_problems: list[str] = []
+        self.missing_hooks: Optional[set[str]] = set()  # None: the registry could not be read
         # tree states (steps key -> (steps, topk, n)) this process builds and switches to; set from
         # the adaptive config when the policy object is made, before SGLang builds its states
         self.trees: dict[int, Config] = {}
         self.max_topk = 1
-        self._tree_width_of: dict[str, int] = {}  # adaptive-config path -> widest tree (logits rows)
+        self._trees_of: dict[str, dict[int, Config]] = {}  # adaptive-config path -> its tree states
         # launch_ts is time.monotonic(); the wire's ts is wall-clock seconds
         self.wall_offset_s = time.time() - time.monotonic()
         self._prev_launch: Optional[tuple[int, float]] = None
@@ -147,8 +148,7 @@ class PluginRuntime:
                    trees: Optional[dict[int, Config]] = None) -> EngineController:
         """Called from SpecctlSpeculativeParams.__init__ (worker construction, after load_plugins
         applied the hooks and after the TP group exists, before SGLang builds its runtime states)."""
-        self.trees = self._usable_trees(dict(trees or {}), candidate_steps)
-        self.max_topk = max([c[1] for c in self.trees.values()] + [1])
+        self._set_trees(self._usable_trees(dict(trees or {}), candidate_steps))
         try:
             self.tp_group = self.tp_group_fn()
             self.rank = int(getattr(self.tp_group, "rank_in_group", 0))
@@ -182,8 +182,10 @@ class PluginRuntime:
             return {}
         names = ", ".join(config_name(c) for c in trees.values())
         why = None
-        missing = [t for t in self.targets.tree_targets() if f"hook on {t} " in " ".join(self.hook_problems)]
-        if missing:
+        if self.missing_hooks is None:
+            why = "SGLang's hook registry could not be read, so the tree hooks are unverified"
+        elif any(t in self.missing_hooks for t in self.targets.tree_targets()):
+            missing = [t for t in self.targets.tree_targets() if t in self.missing_hooks]
             why = f"the tree hooks on {', '.join(missing)} did not take effect"
         elif not set(trees) <= set(candidate_steps):
             why = f"the adaptive config's slots do not list steps {sorted(set(trees) - set(candidate_steps))}"
@@ -198,6 +200,20 @@ class PluginRuntime:
         return trees
 
     # ---------------------------------------------------------------- tree states
+
+    def _set_trees(self, trees: dict[int, Config]) -> None:
+        self.trees = trees
+        self.max_topk = max([c[1] for c in trees.values()] + [1])  # read by a hook at every decode step
+
+    def configured_trees(self, cfg_path: Optional[str]) -> dict[int, Config]:
+        """The tree states an adaptive config file asks for (launch_args.read_tree_states), read once
+        per path: the policy object and the logits-rows hook both need them at start-up."""
+        key = cfg_path or ""
+        if key not in self._trees_of:
+            from .launch_args import read_tree_states
+
+            self._trees_of[key] = read_tree_states(cfg_path)
+        return dict(self._trees_of[key])
 
     def build_state(self, orig: Callable[..., Any], worker: Any, args: tuple, kwargs: dict) -> Any:
         """AROUND build_adaptive_runtime_state(steps, draft_tokens, cuda_graph_bs): a tree key is
@@ -217,8 +233,7 @@ class PluginRuntime:
         except Exception as e:  # noqa: BLE001 - the server starts, with a chain under this key
             log.exception("specctl: building the tree state %s failed (%s: %s); steps=%d is built "
                           "as a chain", config_name(cfg), type(e).__name__, e, steps)
-            self.trees.pop(steps, None)
-            self.max_topk = max([c[1] for c in self.trees.values()] + [1])
+            self._set_trees({k: c for k, c in self.trees.items() if k != steps})
             if self.engine is not None:
                 self.engine.replace_state(steps, chain(steps),
                                           f"the tree {config_name(cfg)} could not be built: {type(e).__name__}: {e}")
@@ -240,16 +255,11 @@ class PluginRuntime:
         path = getattr(sa, "speculative_adaptive_config", None)
         if not path or not getattr(sa, "speculative_adaptive", False):
             return None
-        width = self._tree_width_of.get(path)
-        if width is None:
-            from .launch_args import read_tree_states
-
-            try:
-                width = max([c[2] for c in read_tree_states(path).values()] + [0])
-            except (OSError, ValueError) as e:
-                self.warn_once(f"cannot read tree states from {path}: {e}")
-                width = 0
-            self._tree_width_of[path] = width
+        try:
+            width = max([c[2] for c in self.configured_trees(path).values()] + [0])
+        except (OSError, ValueError) as e:
+            self.warn_once(f"cannot read tree states from {path}: {e}")
+            return None
         if width <= 1:
             return None
         need = max(_capture_sizes(runner, width)) * width
@@ -290,6 +300,7 @@ class PluginRuntime:
             patched = set(HookRegistry._patched)
         except Exception as e:  # noqa: BLE001
             self.hook_problems = [f"cannot read SGLang's hook registry ({type(e).__name__}: {e})"]
+            self.missing_hooks = None
             log.error("specctl: %s: hooks unverified", self.hook_problems[0])
             return self.hook_problems
         consequence = {
@@ -301,8 +312,9 @@ class PluginRuntime:
         if tree_hooks:
             consequence.update({t: "tree states cannot be built or switched to safely"
                                 for t in self.targets.tree_targets()})
+        self.missing_hooks = {t for t in consequence if t not in patched}
         self.hook_problems = [f"hook on {t} did not take effect: {why}"
-                              for t, why in consequence.items() if t not in patched]
+                              for t, why in consequence.items() if t in self.missing_hooks]
         for p in self.hook_problems:
             log.error("specctl: %s (SGLang logged the cause above as 'Failed to apply hooks')", p)
         if not self.hook_problems:
@@ -443,7 +455,7 @@ def make_policy_class(base: type) -> type:
             if rt is None:
                 log.error("specctl: policy built without a plugin runtime; SGLang's policy decides")
                 return
-            from .launch_args import SIZING_SLOT, read_tree_states
+            from .launch_args import SIZING_SLOT
 
             sizing = self._slots.get(int(SIZING_SLOT))
             if sizing is not None:
@@ -453,8 +465,7 @@ def make_policy_class(base: type) -> type:
                         for s in slot.candidate_steps}
                 self._sizing_only = frozenset(set(sizing.candidate_steps) - used)
             try:
-                trees = read_tree_states(cfg_path)
-                self.specctl = rt.new_engine(list(self.candidate_steps), trees)
+                self.specctl = rt.new_engine(list(self.candidate_steps), rt.configured_trees(cfg_path))
             except Exception as e:  # noqa: BLE001
                 log.exception("specctl: engine start failed (%s); SGLang's policy decides", e)
 
