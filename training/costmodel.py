@@ -631,7 +631,7 @@ class CostModel:
         values. Pooled because the
         noise is the engine's (scheduling, clocks), and a configuration that is only explored
         now and then never gathers enough values of its own."""
-        return getattr(self, "step_cv_", None)
+        return self.step_cv_
 
     def step_samples(self, c: Config) -> float:
         """Decayed step-time samples of c (all batch sizes), as of the newest timestamp."""
