@@ -1,4 +1,6 @@
 """Pure helpers of the GPU runner (stdlib only; tested on CPU in tests/gpu/)."""
+import json
+import os
 import re
 import statistics as st
 
@@ -92,13 +94,13 @@ def tree_launch(p):
     """(flags without the draft path, env, adaptive config, state configs) of a plugin policy with a tree, from
     specctl's own `specctl sglang-args` logic: launched as a topk-1 chain, the tree built as one more state."""
     from specctl.plugin import launch_args
+    from specctl.plugin.engine import state_configs
     fixed = p["kind"] == "plugin-fixed"
     la = launch_args.build([(0, 1, 1), p["config"]], fallback_config=p["config"],
                            fallback_threshold=p["threshold"] if fixed else launch_args.DEFAULT_THRESHOLD,
                            mode="fixed" if fixed else "online")
-    steps = la.adaptive_config["1"]["candidate_steps"]
-    trees = {int(k): tuple(v) for k, v in la.adaptive_config.get("specctl", {}).get("states", {}).items()}
-    states = [trees.get(s, (s, 1, s + 1) if s else (0, 1, 1)) for s in steps]
+    states = list(state_configs(la.adaptive_config["1"]["candidate_steps"],
+                                launch_args.tree_states(la.adaptive_config)).values())
     i = la.flags.index("--speculative-adaptive-config")
     return la.flags[:i] + la.flags[i + 2:], la.env, la.adaptive_config, states
 
@@ -208,6 +210,15 @@ def paired_ratios(a, b):
         out["sem"] = round(se, 4)
         out["ci95"] = [round(st.mean(r) - half, 4), round(st.mean(r) + half, 4)]
     return out
+
+
+def gpu_benches(d):
+    """(GPU index, bench JSON, its path) of a device call's output folder: one bench-g<N>.json per GPU (sweep2)."""
+    for g in range(8):
+        p = os.path.join(d, f"bench-g{g}.json")
+        if os.path.exists(p):
+            with open(p) as f:
+                yield g, json.load(f), p
 
 
 def summarize_requests(outs, wall):

@@ -13,17 +13,16 @@ import os
 import statistics as st
 import sys
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from benchlib import gpu_benches  # noqa: E402
+
 STATIC = ("off", "static:s1", "static:s2", "static:s3")
 
 
 def load(dirs):
     rounds, phase, meta = {}, [], None  # rounds[(gpu, policy, c)] = [tok/s per round, in call order]
     for d in dirs:
-        for g in (0, 1, 2, 3):
-            p = os.path.join(d, f"bench-g{g}.json")
-            if not os.path.exists(p):
-                continue
-            r = json.load(open(p))
+        for g, r, p in gpu_benches(d):
             meta = meta or r
             for x in r["runs"]:
                 v = x.get("repeats_tok_s") or [x["output_tokens_per_s"]]

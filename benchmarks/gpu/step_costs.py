@@ -12,17 +12,14 @@ import statistics as st
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from benchlib import paired_ratios  # noqa: E402
+from benchlib import gpu_benches, paired_ratios  # noqa: E402
 
 
 def load(dirs):
     steps = {}  # (gpu, policy, c) -> [step ms per round]
     for d in dirs:
-        for g in range(8):
-            p = os.path.join(d, f"bench-g{g}.json")
-            if not os.path.exists(p):
-                continue
-            for x in json.load(open(p))["runs"]:
+        for g, r, _ in gpu_benches(d):
+            for x in r["runs"]:
                 v = x.get("repeats_step_ms") or [x.get("log", {}).get("step_ms_med")]
                 steps.setdefault((g, x["policy"], x["concurrency"]), []).extend(v)
     return steps

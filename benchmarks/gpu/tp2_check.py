@@ -29,6 +29,7 @@ from typing import Any, Optional
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import plugin_smoke as PS  # noqa: E402  (same folder: summarize_log, _get, _post, PROMPTS)
+import benchlib as B  # noqa: E402  (same folder: TREE)
 import specctl_side as SC  # noqa: E402  (same folder: policy_obj)
 
 # candidate steps built by SGLang (plugin_smoke_adaptive.json): 0, 1, 3. (min_batch, max_batch, steps)
@@ -41,7 +42,7 @@ TABLES: list[list[tuple[int, Optional[int], int]]] = [
 CANDIDATES = (0, 1, 3)
 # TP2_TREE=1: the seed operator's tree (topk 4, 2 steps, 16 tokens) is runtime state 2 beside off, s1 and s3
 # (`specctl sglang-args --configs off,s1,s2k4n16,s3`); rows name a configuration triple where it is the tree
-TREE = (2, 4, 16)
+TREE = B.TREE
 TREE_TABLES: list[list[tuple[int, Optional[int], Any]]] = [
     [(1, 2, TREE), (3, 7, 1), (8, None, 0)],
     [(1, None, TREE)],

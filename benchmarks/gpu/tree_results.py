@@ -23,13 +23,6 @@ KEEP = ("policy", "concurrency", "output_tokens_per_s", "median_tpot_ms", "p99_t
 R_BUILT = re.compile(r"Built adaptive runtime state steps=(\d+): elapsed=([\d.]+)s, mem=([\d.]+)GB")
 
 
-def benches(d):
-    for g in (0, 1, 2, 3):
-        p = os.path.join(d, f"bench-g{g}.json")
-        if os.path.exists(p):
-            yield g, json.load(open(p)), os.path.relpath(p)
-
-
 def tar_members(d, g):
     p = os.path.join(d, f"g{g}.tgz")
     if not os.path.exists(p):
@@ -65,8 +58,8 @@ def main():
     for kind, d in calls:
         if not d:
             continue
-        for g, r, src in benches(d):
-            res["sources"].append(src)
+        for g, r, src in B.gpu_benches(d):
+            res["sources"].append(os.path.relpath(src))
             for k in ("gpu", "sglang", "model", "variant", "draft", "new_tokens"):
                 res.setdefault(k, r.get(k))
             if kind == "sweep":
