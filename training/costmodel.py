@@ -22,6 +22,8 @@ OFF: Config = (0, 1, 1)
 RING = 32  # recent step times kept per (config, batch size) for the robust median
 PRIOR_REQUESTS = 32.0  # pseudo-requests behind the trend prior of a deeper chain position
 MIN_SETTLED = 3  # steady-state values needed before post-switch ones are ignored
+# a batch size whose median is this many standard errors off the monotone fit keeps its median
+MONOTONE_RELEASE_Z = 3.0
 ACCEPT_CAP_PER_S = 64.0  # requests one second of traffic may weigh in the acceptance estimate
 ACCEPT_VAR_FLOOR = 0.05  # accepted-drafts variance assumed at least (a one-bar histogram has none)
 _REBASE_HALF_LIVES = 256.0  # renormalise decayed weights long before 2**(age/half_life) overflows
@@ -194,8 +196,8 @@ def _moments(add: Sequence[float], wa: float) -> tuple[np.ndarray, np.ndarray]:
 
 
 class CostModel:
-    """Step time t(c, b) (monotone in b, median-robust, warm-up steps after a switch dropped) and
-    tokens per step tau(c) = 1 + E[accepted drafts] per configuration.
+    """Step time t(c, b) (monotone in b within the noise, median-robust, warm-up steps after a
+    switch dropped) and tokens per step tau(c) = 1 + E[accepted drafts] per configuration.
 
     Chains (topk 1) share per-position conditional acceptance a_i, pooled over every chain
     configuration that reached position i, so tau of a chain never measured at its full length
@@ -345,24 +347,31 @@ class CostModel:
     # ------------------------------------------------------------------ fitting
 
     def refit(self) -> "CostModel":
-        by_config: dict[Config, list[tuple[int, float, float]]] = {}
+        self.cell_cv_ = {k: _robust_cv(values) for k, values in
+                         ((k, cell.settled()[0]) for k, cell in self.times_.items()) if len(values) >= MIN_SETTLED}
+        self.step_cv_ = float(np.median(list(self.cell_cv_.values()))) if self.cell_cv_ else None
+        pooled = self.step_cv_
+        now = self._now_factor()
+        by_config: dict[Config, list[tuple[int, float, float, float]]] = {}
         for (c, b), cell in self.times_.items():
             values, weight = cell.settled()
             if values:
-                by_config.setdefault(c, []).append((b, float(np.median(values)), weight))
+                # the relative standard error of this cell's median (as in step_ms_rel_se); inf
+                # while the engine's noise is unknown, so that every cell stays pooled
+                n = min(float(len(values)), weight * now)
+                cv = max(pooled, self.cell_cv_.get((c, b), 0.0)) if pooled is not None else math.inf
+                se = 1.25 * cv / math.sqrt(n) if n > 0 else math.inf
+                by_config.setdefault(c, []).append((b, float(np.median(values)), weight, se))
         fits: dict[Config, _TimeFit] = {}
         for c, pts in by_config.items():
             pts.sort()
-            fits[c] = _TimeFit.build(pts)
+            fits[c] = _TimeFit.build(pts, release_z=MONOTONE_RELEASE_Z)
         # a configuration seen at one batch size only borrows the shape of the best-covered one
         shape = max((f for f in fits.values() if len(f.b) >= 2), key=lambda f: len(f.b), default=None)
         for f in fits.values():
             if len(f.b) == 1 and shape is not None:
                 f.borrow_shape(shape)
         self.fitted_ = fits
-        self.cell_cv_ = {k: _robust_cv(values) for k, values in
-                         ((k, cell.settled()[0]) for k, cell in self.times_.items()) if len(values) >= MIN_SETTLED}
-        self.step_cv_ = float(np.median(list(self.cell_cv_.values()))) if self.cell_cv_ else None
         return self
 
     def _check(self) -> dict[Config, "_TimeFit"]:
@@ -735,7 +744,14 @@ class CostModel:
 @dataclass
 class _TimeFit:
     """Isotonic (non-decreasing) fit through per-batch medians inside the measured range; linear
-    extrapolation outside it, with slopes from a weighted least-squares line over each end."""
+    extrapolation outside it, with slopes from a weighted least-squares line over each end.
+
+    Monotone only within the noise: a real engine's step time is not monotone in the batch size
+    everywhere (CUDA-graph buckets, kernel choices; the measured H200 profiles dip at some sizes).
+    A batch size whose own median lies more than `release_z` standard errors from the isotonic
+    value keeps its median, and the rest are refitted without it; otherwise a configuration
+    measured mostly at one size (where the table runs it) and thinly at the next (where it is
+    only explored) would have the thin size's measurements pooled into the heavy one's."""
 
     b: np.ndarray
     t: np.ndarray  # medians
@@ -746,14 +762,23 @@ class _TimeFit:
     borrowed: Optional["_TimeFit"] = None
 
     @classmethod
-    def build(cls, pts: list[tuple[int, float, float]]) -> "_TimeFit":
+    def build(cls, pts: Sequence[tuple], release_z: float = 0.0) -> "_TimeFit":
+        """`pts`: (batch size, median, weight[, relative standard error of the median]), sorted
+        by batch size; `release_z` 0 = strictly monotone."""
         b = np.array([p[0] for p in pts], dtype=float)
         t = np.array([p[1] for p in pts], dtype=float)
         w = np.array([max(p[2], 1e-12) for p in pts], dtype=float)
+        y = t.copy()
         if len(b) >= 2:
             y = IsotonicRegression(increasing=True).fit(b, t, sample_weight=w).predict(b)
-        else:
-            y = t.copy()
+            if release_z > 0 and all(len(p) > 3 for p in pts):
+                se = np.array([p[3] for p in pts], dtype=float) * t
+                free = np.abs(t - y) > release_z * se
+                keep = ~free
+                if free.any():
+                    y[free] = t[free]
+                    y[keep] = t[keep] if keep.sum() < 2 else IsotonicRegression(increasing=True).fit(
+                        b[keep], t[keep], sample_weight=w[keep]).predict(b[keep])
         slope_lo = _end_slope(b, y, w, low=True)
         slope_hi = _end_slope(b, y, w, low=False)
         return cls(b=b, t=t, w=w, y=y, slope_lo=slope_lo, slope_hi=slope_hi)
