@@ -33,6 +33,10 @@ class ServiceSettings:
     threshold: int = DEFAULT_THRESHOLD
     fixed_config: Config = DEFAULT_CONFIG
     refit_interval_s: float = 1.0
+    # while the evidence is partial (no telemetry yet, plain decode or speculation never measured)
+    # the first measurement that completes it is worth a table at once: refit this often then,
+    # when telemetry came in since the last refit
+    partial_refit_s: float = 0.1
     heartbeat_s: float = 2.0
     half_life_s: float = 600.0  # step-time memory (hardware: slow to change)
     accept_half_life_s: float = 8.0  # acceptance memory (traffic: shifts within seconds)
@@ -63,8 +67,9 @@ class ServiceSettings:
     def __post_init__(self) -> None:
         if self.mode not in ("online", "fixed"):
             raise ValueError(f"mode must be 'online' or 'fixed', not {self.mode!r}")
-        if self.refit_interval_s <= 0 or self.heartbeat_s <= 0 or self.half_life_s <= 0:
-            raise ValueError("refit interval, heartbeat and half-life must be > 0")
+        if (self.refit_interval_s <= 0 or self.partial_refit_s <= 0 or self.heartbeat_s <= 0
+                or self.half_life_s <= 0):
+            raise ValueError("refit intervals, heartbeat and half-life must be > 0")
         if self.switch_z < 0 or not (0.0 <= self.margin <= 1.0 and 0.0 <= self.max_margin <= 1.0):
             raise ValueError("switch_z must be >= 0, margin and max_margin in [0, 1]")
         if self.explore_period and self.explore_period < 50:
@@ -116,8 +121,10 @@ class ControllerService:
             fallback = static(settings.fixed_config)
         self.fallback = fallback
         self._tau_peak: dict[Config, tuple[float, float]] = {}  # chain -> (peak tau, when)
+        self._new_telemetry = False  # records taken since the last refit
 
         loaded = None
+        self.resumed_version: Optional[int] = None  # the policy version taken from the state dir
         if store is not None:
             loaded = store.load_policy()
             state = store.load_model()
@@ -136,6 +143,7 @@ class ControllerService:
                 self._persist_policy()
         elif loaded is not None:
             self.policy = loaded
+            self.resumed_version = loaded.version
         elif init_policy is not None:
             self.policy = init_policy.model_copy(update={"version": max(init_policy.version, 1)})
             self._persist_policy()
@@ -165,6 +173,7 @@ class ControllerService:
             self.metrics.rejected.labels("ts_in_future").inc()
             return False
         self.model.observe(Sample.from_record(rec))
+        self._new_telemetry = True
         st = self.servers.get(rec.server)
         if st is None:
             if len(self.servers) >= 4096:
@@ -186,7 +195,10 @@ class ControllerService:
         """Refit when due; return the policy to publish (a new version, or the current one as a
         heartbeat) or None when nothing is due."""
         now = self.clock()
-        if self.settings.mode == "online" and now - self.last_refit >= self.settings.refit_interval_s:
+        due = self.settings.refit_interval_s
+        if self.evidence is not None and self._new_telemetry:
+            due = min(due, self.settings.partial_refit_s)
+        if self.settings.mode == "online" and now - self.last_refit >= due:
             self.refit()
         if self.store is not None and now - self.last_persist >= self.settings.persist_model_s:
             self.persist_model()
@@ -227,8 +239,11 @@ class ControllerService:
             # batch sizes to have a slope worth trusting), and down to a quarter of its lowest
             reach = 4 if (n >= 4 and hi >= 4 * lo) else 2
             trusted = (b >= lo / 4.0) & (b <= hi * reach)
-            se = self.model.step_ms_rel_se(c, b) if self.settings.switch_z > 0 else None
-            out.append(cmpolicy.Option(c, tau, self.model.predict_step_ms(c, b), trusted, se))
+            se = thin = None
+            if self.settings.switch_z > 0:
+                se = self.model.step_ms_rel_se(c, b)
+                thin = self.model.step_ms_rel_se(c, b, thin_only=True)
+            out.append(cmpolicy.Option(c, tau, self.model.predict_step_ms(c, b), trusted, se, thin))
         return out
 
     def _evidence_problem(self, options: list[cmpolicy.Option]) -> Optional[str]:
@@ -246,6 +261,7 @@ class ControllerService:
         t0 = time.perf_counter()
         now = self.clock()
         self.last_refit = now
+        self._new_telemetry = False
         self.model.refit()
         mb = self.table_max_batch()
         options = self.options(mb)
@@ -470,4 +486,5 @@ class ControllerService:
                         for k, v in list(self.servers.items())[:64]},
             "policy": wire.to_obj(self.policy),
             "policy_age_s": round(now - self.policy.created_at, 3),
+            "resumed_policy_version": self.resumed_version,
         }

@@ -7,7 +7,7 @@ deterministic exploration rows for (configuration, batch region) pairs that lack
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional, Sequence
 
 import numpy as np
@@ -26,7 +26,8 @@ class Option:
     `trusted` (optional, same length): where the prediction rests on measurements nearby rather
     than on a long extrapolation; a configuration is never chosen over, or abandoned for,
     another where either is untrusted. `step_ms_se` (optional, same length): the relative
-    standard error of `step_ms`.
+    standard error of `step_ms`; `step_ms_thin_se` (optional, same length): its part that rests
+    on batch sizes with fewer values than a median window settles on (see `Tolerance`).
     """
 
     config: Config
@@ -34,6 +35,7 @@ class Option:
     step_ms: np.ndarray
     trusted: Optional[np.ndarray] = None
     step_ms_se: Optional[np.ndarray] = None
+    step_ms_thin_se: Optional[np.ndarray] = None
 
     def goodput(self) -> np.ndarray:
         b = np.arange(1, len(self.step_ms) + 1, dtype=float)
@@ -44,6 +46,10 @@ class Option:
 
     def step_var(self) -> np.ndarray:
         return np.zeros(len(self.step_ms)) if self.step_ms_se is None else np.asarray(self.step_ms_se, float) ** 2
+
+    def step_thin_var(self) -> np.ndarray:
+        return (np.zeros(len(self.step_ms)) if self.step_ms_thin_se is None
+                else np.asarray(self.step_ms_thin_se, float) ** 2)
 
 
 @dataclass(frozen=True)
@@ -61,13 +67,18 @@ class Tolerance:
     costs its apparent shortfall on every step, and the standard errors stop shrinking once the
     estimates' windows are full (the acceptance EWMA's effective seconds, the step-time median's
     recent values), so without a cap an engine whose step times scatter by 30% would stay with
-    its first choice, right or wrong. z = 0 (or no variances): `margin` alone.
+    its first choice, right or wrong. That reason does not hold for a step time resting on one or
+    two values (a configuration just measured for the first time): its error is real and the next
+    values shrink it, so the cap rises to z standard errors of that thin part: one lucky value
+    does not displace the previous choice. Island merging (`thin` False) keeps the cap: there a
+    wide tolerance would make changes, not prevent them. z = 0 (or no variances): `margin` alone.
     """
 
     margin: float = DEFAULT_MARGIN
     z: float = 0.0
     tau_log_var: Optional[np.ndarray] = None  # (options, options)
     max_margin: float = DEFAULT_MAX_MARGIN
+    thin: bool = True  # lift the cap for thin step times (keeping a choice; not merging runs)
 
     def between(self, options: Sequence[Option], i: int, j: int) -> np.ndarray:
         """Allowed relative shortfall of option i against option j, per batch size."""
@@ -77,7 +88,10 @@ class Tolerance:
         var = options[i].step_var() + options[j].step_var()
         if self.tau_log_var is not None:
             var = var + float(self.tau_log_var[i, j])
-        return np.clip(self.z * np.sqrt(var), self.margin, max(self.margin, self.max_margin))
+        cap = self.max_margin
+        if self.thin:
+            cap = np.maximum(cap, self.z * np.sqrt(options[i].step_thin_var() + options[j].step_thin_var()))
+        return np.clip(self.z * np.sqrt(var), self.margin, np.maximum(self.margin, cap))
 
 
 def goodput_matrix(options: Sequence[Option]) -> np.ndarray:
@@ -131,7 +145,8 @@ def choose(options: Sequence[Option], previous: Optional[PolicyTable] = None,
     # the dead band of island merging (see _merge_islands) comes with the standard errors; with
     # z = 0 the margin-only rule stays exactly as it was
     had = [previous.lookup(b0 + 1) for b0 in range(g.shape[1])] if previous is not None and z > 0 else None
-    merged = _merge_islands([None if p else c for c, p in zip(out, pinned)], gt, idx, allowed, had)
+    merged = _merge_islands([None if p else c for c, p in zip(out, pinned)], gt, idx,
+                            _Allowed(options, replace(tol, thin=False), best), had)
     return [c if p else m for c, p, m in zip(out, pinned, merged)]  # type: ignore[misc]
 
 

@@ -563,7 +563,8 @@ class CostModel:
         within = var_req * float(q[0]) / (y0 * y0)
         return max(between, within)
 
-    def step_ms_rel_se(self, c: Config, batch_sizes: Sequence[int] | np.ndarray) -> np.ndarray:
+    def step_ms_rel_se(self, c: Config, batch_sizes: Sequence[int] | np.ndarray, *,
+                       thin_only: bool = False) -> np.ndarray:
         """Relative standard error of the predicted step time of c at each batch size.
 
         - Noise, at a measured batch size: the prediction is the median of its n recent values
@@ -577,7 +578,8 @@ class CostModel:
           uniform spread over the gap adding (gap / t)^2 / 12; beyond the measured range,
           anywhere between the end's value and twice the linear extrapolation's distance from
           it, adding (distance / t)^2 / 3.
-        The noise part is 0 while the engine's noise is unknown."""
+        The noise part is 0 while the engine's noise is unknown. `thin_only`: the noise part of
+        the batch sizes with fewer than MIN_SETTLED values only (nothing else)."""
         bs = np.asarray(batch_sizes, dtype=float)
         f = self._check().get(tuple(c))  # type: ignore[arg-type]
         if f is None:
@@ -592,8 +594,18 @@ class CostModel:
             values, weight = self.times_[key].settled()  # type: ignore[index]
             n = min(float(len(values)), weight * now)
             cv = max(pooled or 0.0, self.cell_cv_.get(key, 0.0))  # type: ignore[arg-type]
-            var.append((1.25 * cv) ** 2 / n if n > 0 else math.inf)
+            if thin_only and n >= MIN_SETTLED:
+                var.append(0.0)
+            else:
+                var.append((1.25 * cv) ** 2 / n if n > 0 else math.inf)
         var_b = np.asarray(var) if pooled is not None else np.zeros(len(f.b))
+        if thin_only:
+            if len(f.b) == 1:
+                return np.full(len(bs), math.sqrt(var_b[0]))
+            x = np.clip(bs, f.b[0], f.b[-1])
+            hi = np.clip(np.searchsorted(f.b, x), 1, len(f.b) - 1)
+            lam = (x - f.b[hi - 1]) / (f.b[hi] - f.b[hi - 1])
+            return np.sqrt((1.0 - lam) ** 2 * var_b[hi - 1] + lam ** 2 * var_b[hi])
         pred = np.maximum(f.predict(bs), 1e-9)
         outside = np.where(bs < f.b[0], f.predict(f.b[:1])[0] - pred,
                            np.where(bs > f.b[-1], pred - f.predict(f.b[-1:])[0], 0.0)) / pred

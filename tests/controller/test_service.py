@@ -141,6 +141,46 @@ def test_init_policy_used_when_state_is_empty(tmp_path):
     assert StateStore(tmp_path).load_policy().version == 3
 
 
+def _step(clock, config, batch_size, step_ms, accepted=None):
+    rec = {"kind": "step", "schema": 1, "server": "e0", "rank": 0, "iter": 0, "ts": clock.t,
+           "batch_size": batch_size, "config": {"steps": config[0], "topk": config[1], "draft_tokens": config[2]},
+           "step_ms": step_ms}
+    if accepted is not None:
+        rec["accepted"] = accepted
+    return json.dumps(rec).encode()
+
+
+def test_refits_promptly_while_the_evidence_is_partial():
+    clock = Clock()
+    svc = ControllerService(ServiceSettings(refit_interval_s=1.0, partial_refit_s=0.1,
+                                            candidates=((0, 1, 1), (3, 1, 4))), clock=clock)
+    svc.tick()
+    assert svc.num_refits == 1 and svc.evidence == "no telemetry yet"
+    clock.t += 0.15
+    assert svc.tick() is None and svc.num_refits == 1  # nothing came in: nothing to refit on
+    for _ in range(20):  # batch 8 under the fallback: plain decode only
+        clock.t += 0.005
+        svc.observe_frame(_step(clock, (0, 1, 1), 8, 7.0))
+    clock.t += 0.1
+    svc.tick()
+    assert svc.num_refits == 2 and svc.evidence.startswith("partial: no steps measured with speculation on")
+    for _ in range(3):  # the first exploring steps of s3: accept length 3.5 at 1.5x the step time
+        clock.t += 0.005
+        svc.observe_frame(_step(clock, (3, 1, 4), 8, 10.5, [3, 3, 2, 3, 3, 2, 3, 3]))
+    clock.t += 0.1
+    svc.tick()
+    assert svc.num_refits == 3 and svc.evidence is None
+    assert table(svc).lookup(8) == (3, 1, 4)  # 0.1 s after the measurement, not 1 s
+    # complete evidence: back to the refit interval
+    svc.observe_frame(_step(clock, (3, 1, 4), 8, 10.5, [3] * 8))
+    clock.t += 0.5
+    svc.tick()
+    assert svc.num_refits == 3
+    clock.t += 0.5
+    svc.tick()
+    assert svc.num_refits == 4
+
+
 def test_explores_configs_lacking_data():
     clock = Clock()
     svc = ControllerService(ServiceSettings(refit_interval_s=1, candidates=((0, 1, 1), (1, 1, 2), (3, 1, 4))),

@@ -96,6 +96,34 @@ def test_step_time_uncertainty_counts_too():
     assert derive(noisy, previous=current, z=2.0, tau_log_var=var).configs() == [S2]
 
 
+@pytest.mark.parametrize("lead, thin_se, switches", [
+    (0.10, 0.0, True),    # full windows: the cap (5%) holds, a 10% lead takes the table
+    (0.10, 0.20, False),  # the challenger's step time rests on one value (SE 20%): not yet
+    (1.00, 0.20, True),   # ...unless it wins beyond z of that error (s2 at half its goodput)
+])
+def test_a_thin_step_time_does_not_displace_the_previous_choice(lead, thin_se, switches):
+    # both step times are known to 30% at most (a noisy engine, full windows): uncapped, z = 2
+    # would keep any choice within 85%; the cap (5%) lets a 10% lead in. A step time resting on
+    # fewer values than a window settles on keeps its own error above the cap.
+    se = np.full(len(B), 0.3)
+    s2 = Option(S2, 1.7, FLAT_MS, step_ms_se=se)
+    s3 = Option(S3, 1.7 * (1.0 + lead), FLAT_MS, step_ms_se=se, step_ms_thin_se=np.full(len(B), thin_se))
+    current = PolicyTable(rows=(Row(1, None, S2),))
+    assert derive([s2, s3], previous=current, z=2.0).configs() == ([S3] if switches else [S2])
+
+
+def test_a_thin_step_time_does_not_widen_island_merging():
+    # s1 leads at 59-63 by 8%, beyond the cap (5%): an island that stands, whatever s3's thin
+    # error (merging away a run is a change, which a wide tolerance must not make easier)
+    options, var = _island(0.08, 0.0)
+    s1, s3 = options
+    se = np.full(len(B), 0.3)
+    s3 = Option(S3, s3.tokens_per_step, s3.step_ms, step_ms_se=se)
+    thin_s3 = Option(S3, s3.tokens_per_step, s3.step_ms, step_ms_se=se, step_ms_thin_se=np.full(len(B), 0.2))
+    assert choose([s1, s3], z=2.0, tau_log_var=var)[60] == S1
+    assert choose([s1, thin_s3], z=2.0, tau_log_var=var)[60] == S1
+
+
 def _island(adv, se):
     """s3 best everywhere but at batch 59-63, where s1 leads by `adv` (and trails by 10%
     elsewhere); the log tau difference known to standard error `se`."""

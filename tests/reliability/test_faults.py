@@ -50,7 +50,8 @@ def test_daemon_killed_and_restarted_under_a_running_engine(tmp_path, zctx):
     assert r["engine_kept_stepping"]
     # stale within the timeout (+ one sync interval and the heartbeat period of slack)
     assert 0.4 <= r["fallback_after_kill_s"] <= 0.6 + 0.5, r
-    assert r["version_after"] == r["version_before"]  # the restart recovered the persisted policy
+    # the restart recovered the persisted policy (the engine's, or a newer one made before the kill)
+    assert r["version_after"] >= r["resumed_version"] >= r["version_before"]
     assert r["policy_back_after_restart_s"] < 5 and r["telemetry_after_restart_s"] < 5
 
 

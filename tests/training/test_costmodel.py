@@ -113,6 +113,22 @@ def test_a_dip_beyond_the_noise_keeps_its_median(n32, expect32):
     assert m.predict_step_ms(OFF, [16])[0] == pytest.approx(1.389, rel=0.01)
 
 
+def test_the_thin_part_of_the_step_time_error_is_that_of_batch_sizes_with_few_values():
+    rng = np.random.default_rng(2)
+    rows = [Sample(ts=i * 0.01, config=OFF, batch_size=b, step_ms=6 * rng.lognormal(0, 0.05))
+            for i, b in enumerate([4, 8] * 200)]
+    rows += [Sample(ts=5.0, config=S3, batch_size=8, step_ms=9.0)]  # one exploring step
+    m = CostModel().fit(rows)
+    assert np.all(m.step_ms_rel_se(OFF, [4, 6, 8], thin_only=True) == 0.0)
+    thin = m.step_ms_rel_se(S3, [8, 16], thin_only=True)
+    # one value: 1.25 cv, cv the engine's (pooled over cells)
+    np.testing.assert_allclose(thin, 1.25 * m.step_time_cv(), rtol=1e-9)
+    assert np.all(m.step_ms_rel_se(S3, [8], thin_only=False) >= thin[0])
+    # the first two steps after a switch are warm-up: three settled values take five more steps
+    m.partial_fit([Sample(ts=5.1 + 0.01 * i, config=S3, batch_size=8, step_ms=9.0) for i in range(5)])
+    assert m.step_ms_rel_se(S3, [8], thin_only=True)[0] == 0.0
+
+
 def test_recent_traffic_dominates():
     m = CostModel(half_life_s=10.0)
     old = [Sample(ts=float(i) * 0.1, config=S1, batch_size=2, step_ms=5.0, accepted=[1, 1]) for i in range(1000)]
