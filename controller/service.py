@@ -35,8 +35,10 @@ class ServiceSettings:
     refit_interval_s: float = 1.0
     # while the evidence is partial (no telemetry yet, plain decode or speculation never measured)
     # the first measurement that completes it is worth a table at once: refit this often then,
-    # when telemetry came in since the last refit
+    # when telemetry came in since the last refit, for at most partial_refit_for_s from the first
+    # such telemetry (an engine that never runs what is missing does not keep the daemon busy)
     partial_refit_s: float = 0.1
+    partial_refit_for_s: float = 30.0
     heartbeat_s: float = 2.0
     half_life_s: float = 600.0  # step-time memory (hardware: slow to change)
     accept_half_life_s: float = 8.0  # acceptance memory (traffic: shifts within seconds)
@@ -70,6 +72,8 @@ class ServiceSettings:
         if (self.refit_interval_s <= 0 or self.partial_refit_s <= 0 or self.heartbeat_s <= 0
                 or self.half_life_s <= 0):
             raise ValueError("refit intervals, heartbeat and half-life must be > 0")
+        if self.partial_refit_for_s < 0:
+            raise ValueError("partial_refit_for_s must be >= 0")
         if self.switch_z < 0 or not (0.0 <= self.margin <= 1.0 and 0.0 <= self.max_margin <= 1.0):
             raise ValueError("switch_z must be >= 0, margin and max_margin in [0, 1]")
         if self.explore_period and self.explore_period < 50:
@@ -122,6 +126,7 @@ class ControllerService:
         self.fallback = fallback
         self._tau_peak: dict[Config, tuple[float, float]] = {}  # chain -> (peak tau, when)
         self._new_telemetry = False  # records taken since the last refit
+        self._partial_since: Optional[float] = None  # first telemetry while the evidence was partial
 
         loaded = None
         self.resumed_version: Optional[int] = None  # the policy version taken from the state dir
@@ -196,8 +201,13 @@ class ControllerService:
         heartbeat) or None when nothing is due."""
         now = self.clock()
         due = self.settings.refit_interval_s
-        if self.evidence is not None and self._new_telemetry:
-            due = min(due, self.settings.partial_refit_s)
+        if self.evidence is None:
+            self._partial_since = None
+        elif self._new_telemetry:
+            if self._partial_since is None:
+                self._partial_since = now
+            if now - self._partial_since < self.settings.partial_refit_for_s:
+                due = min(due, self.settings.partial_refit_s)
         if self.settings.mode == "online" and now - self.last_refit >= due:
             self.refit()
         if self.store is not None and now - self.last_persist >= self.settings.persist_model_s:

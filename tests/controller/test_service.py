@@ -181,6 +181,25 @@ def test_refits_promptly_while_the_evidence_is_partial():
     assert svc.num_refits == 4
 
 
+def test_prompt_refits_last_a_while_only_when_the_evidence_stays_partial():
+    clock = Clock()
+    svc = ControllerService(ServiceSettings(refit_interval_s=1.0, partial_refit_s=0.1, partial_refit_for_s=2.0,
+                                            candidates=((0, 1, 1), (3, 1, 4))), clock=clock)
+    svc.tick()
+    clock.t += 100.0  # an idle daemon: the window opens with the first telemetry, not at start
+    times = []
+    for _ in range(600):  # plain decode only, for 6 s: speculation is never measured
+        clock.t += 0.01
+        svc.observe_frame(_step(clock, (0, 1, 1), 8, 7.0))
+        n = svc.num_refits
+        svc.tick()
+        if svc.num_refits > n:
+            times.append(clock.t)
+    gaps = [round(b - a, 2) for a, b in zip(times, times[1:])]
+    assert svc.evidence.startswith("partial")
+    assert all(g <= 0.11 for g in gaps[:15]) and all(g >= 0.99 for g in gaps[-3:]), gaps
+
+
 def test_explores_configs_lacking_data():
     clock = Clock()
     svc = ControllerService(ServiceSettings(refit_interval_s=1, candidates=((0, 1, 1), (1, 1, 2), (3, 1, 4))),
