@@ -357,10 +357,11 @@ class CostModel:
             values, weight = cell.settled()
             if values:
                 # the relative standard error of this cell's median (as in step_ms_rel_se); inf
-                # while the engine's noise is unknown, so that every cell stays pooled
+                # while the engine's noise is unknown, or while the cell has fewer than
+                # MIN_SETTLED values (one slow step is not a dip), so that the cell stays pooled
                 n = min(float(len(values)), weight * now)
                 cv = max(pooled, self.cell_cv_.get((c, b), 0.0)) if pooled is not None else math.inf
-                se = 1.25 * cv / math.sqrt(n) if n > 0 else math.inf
+                se = 1.25 * cv / math.sqrt(n) if n >= MIN_SETTLED else math.inf
                 by_config.setdefault(c, []).append((b, float(np.median(values)), weight, se))
         fits: dict[Config, _TimeFit] = {}
         for c, pts in by_config.items():
@@ -761,7 +762,9 @@ class _TimeFit:
     Monotone only within the noise: a real engine's step time is not monotone in the batch size
     everywhere (CUDA-graph buckets, kernel choices; the measured H200 profiles dip at some sizes).
     A batch size whose own median lies more than `release_z` standard errors from the isotonic
-    value keeps its median, and the rest are refitted without it; otherwise a configuration
+    value keeps its median, and the rest are refitted without it (a batch size with fewer than
+    MIN_SETTLED values has an infinite standard error here: on the GPU single slow steps would
+    otherwise stand as dips, and near-tie tables churn); otherwise a configuration
     measured mostly at one size (where the table runs it) and thinly at the next (where it is
     only explored) would have the thin size's measurements pooled into the heavy one's."""
 

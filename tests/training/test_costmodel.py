@@ -98,7 +98,7 @@ def test_monotone_in_batch_size_even_with_noisy_medians():
 
 @pytest.mark.parametrize("n32, expect32", [
     (16, 1.248),  # a dip well beyond the noise of 16 values: the batch size keeps its median
-    (1, 1.389),   # one value cannot show a dip: pooled into the monotone fit
+    (2, 1.389),   # two values cannot show a dip (one slow step is not one): pooled
 ])
 def test_a_dip_beyond_the_noise_keeps_its_median(n32, expect32):
     # the measured h200-smollm2-135m profile: plain decode at 16 (1.389 ms) is slower than at 32
@@ -111,6 +111,17 @@ def test_a_dip_beyond_the_noise_keeps_its_median(n32, expect32):
     m = CostModel().fit(rows)
     assert m.predict_step_ms(OFF, [32])[0] == pytest.approx(expect32, rel=0.02)
     assert m.predict_step_ms(OFF, [16])[0] == pytest.approx(1.389, rel=0.01)
+
+
+@pytest.mark.parametrize("slow_steps", [1, 2])
+def test_a_few_slow_steps_are_not_a_bump(slow_steps):
+    # a steady engine (1% noise): one or two slow steps at batch 12, between well-measured 8 and 16
+    rng = np.random.default_rng(9)
+    rows = [Sample(ts=i * 0.002, config=OFF, batch_size=b, step_ms=t * rng.lognormal(0, 0.01))
+            for i, (b, t) in enumerate([(8, 1.0), (16, 1.1)] * 500)]
+    rows += [Sample(ts=3.0 + i, config=OFF, batch_size=12, step_ms=1.3) for i in range(slow_steps)]
+    m = CostModel().fit(rows)
+    assert m.predict_step_ms(OFF, [12])[0] == pytest.approx(1.1, rel=0.02)
 
 
 def test_the_thin_part_of_the_step_time_error_is_that_of_batch_sizes_with_few_values():
