@@ -1,7 +1,9 @@
 """Replay recorded GPU telemetry (a run_bench/specctl_e2e archive) through the real ControllerService on the
-frames' own clock (one tick a second, as the daemon refits) and list the policy versions it would publish.
+frames' own clock and list the policy versions it would publish.
 
   python3 benchmarks/gpu/replay_versions.py ARCHIVE.tar.xz MEMBER_SUBSTRING ['{"setting": value}']
+The settings are ServiceSettings fields, and "tick_s": how often the service ticks (default 1 s; the
+daemon polls every 50 ms, so 0.05 replays it as it runs, prompt refits included).
 e.g. benchmarks/gpu/logs/2026-11-30/call6-sweep-online-overhead/g0.tar.xz specctl-specctl/telemetry
 """
 import gzip, io, json, sys, tarfile
@@ -22,14 +24,14 @@ def frames_from(tar, member_sub):
     out.sort(key=lambda b: json.loads(b)["ts"])
     return out
 
-def run(frames, **kw):
+def run(frames, tick_s=1.0, **kw):
     clock = [json.loads(frames[0])["ts"]]
     svc = ControllerService(ServiceSettings(candidates=None, **kw), clock=lambda: clock[0])
     versions = []; last_t = clock[0]
     for f in frames:
         ts = json.loads(f)["ts"]
-        while last_t + 1.0 <= ts:
-            last_t += 1.0; clock[0] = last_t
+        while last_t + tick_s <= ts:
+            last_t += tick_s; clock[0] = last_t
             rec = svc.tick()
             if rec is not None and (not versions or versions[-1][1] != rec.version):
                 versions.append((round(last_t - json.loads(frames[0])["ts"], 1), rec.version, [(r.min_batch, r.max_batch, r.config.steps) for r in rec.table]))
