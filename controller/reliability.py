@@ -12,7 +12,6 @@ import logging
 import math
 import os
 import random
-import select
 import signal
 import socket
 import subprocess

@@ -65,7 +65,7 @@ def render(policy: wire.PolicyRecord, *, now: Optional[float] = None) -> str:
         line += f"  {'-' if s is None else f'{s:,.0f}':>8}"
         lines.append(line)
     if names:
-        lines.append(f"(goodput predicted at each range's midpoint; * = chosen)")
+        lines.append("(goodput predicted at each range's midpoint; * = chosen)")
     if policy.explore:
         ex = ", ".join(f"{r.config.name}@{r.min_batch}-{r.max_batch if r.max_batch else '+'}"
                        for r in policy.explore[:12])

@@ -1,11 +1,8 @@
-import os
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
-import zmq
 
 from specctl.controller import transport
 from specctl.controller.daemon import wait_for_status

@@ -10,7 +10,6 @@ import threading
 import time
 
 import pytest
-import zmq
 
 from specctl.controller import transport, wire
 from specctl.controller.daemon import Daemon, Endpoints, wait_for_status

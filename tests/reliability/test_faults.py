@@ -4,7 +4,7 @@ publishing). The drills live in specctl.controller.reliability (the benchmark ru
 
 import json
 
-from specctl.controller import reliability, wire
+from specctl.controller import reliability
 from specctl.controller.state import StateStore
 
 
