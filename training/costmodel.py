@@ -761,12 +761,12 @@ class _TimeFit:
 
     Monotone only within the noise: a real engine's step time is not monotone in the batch size
     everywhere (CUDA-graph buckets, kernel choices; the measured H200 profiles dip at some sizes).
-    A batch size whose own median lies more than `release_z` standard errors from the isotonic
-    value keeps its median, and the rest are refitted without it (a batch size with fewer than
-    MIN_SETTLED values has an infinite standard error here: on the GPU single slow steps would
-    otherwise stand as dips, and near-tie tables churn); otherwise a configuration
-    measured mostly at one size (where the table runs it) and thinly at the next (where it is
-    only explored) would have the thin size's measurements pooled into the heavy one's."""
+    Strictly monotone, a configuration measured mostly at one size (where the table runs it) and
+    thinly at the next (where it is only explored) has the thin size's measurements pooled into
+    the heavy one's. So a batch size whose own median lies more than `release_z` standard errors
+    from the isotonic value keeps its median, and the rest are refitted without it. The caller
+    gives a batch size with fewer than MIN_SETTLED values an infinite standard error: on the GPU
+    single slow steps would otherwise stand as dips, and near-tie tables churn."""
 
     b: np.ndarray
     t: np.ndarray  # medians
