@@ -228,6 +228,9 @@ def main():
                     help="measure a group's servers round robin per (repetition, level) instead of one after another")
     ap.add_argument("--phase", action="store_true")
     ap.add_argument("--phase-first", action="store_true", help="with --interleave: the phase runs before the sweep")
+    ap.add_argument("--phase-repeats", type=int, default=1,
+                    help="phase runs per server (same requests); with --interleave the servers take turns, the order "
+                         "rotated each round")
     ap.add_argument("--identity-c", type=int, default=16,
                     help="concurrency of the greedy identity probe (16 prompts, 64 tokens); below a threshold policy's "
                          "T it compares the speculating states")
@@ -354,6 +357,12 @@ def main():
             f"acc {row['accept_length']}, log step {row['log'].get('step_ms_med')} ms" +
             (f", repeats {row['repeats_tok_s']}" if len(reps) > 1 else ""))
 
+    def phase_rounds(live):
+        for rep in range(a.phase_repeats):
+            k = rep % max(1, len(live))
+            for sv in live[k:] + live[:k]:
+                phase(sv)
+
     def phase(sv):
         pol = sv["policy"]
         phases = [dict(p, duration_s=p["duration_s"] * a.phase_scale) for p in PHASES]
@@ -399,8 +408,7 @@ def main():
             for sv in live:
                 prepare(sv)
             if a.interleave and a.phase_first:
-                for sv in live:
-                    phase(sv)
+                phase_rounds(live)
             if a.interleave:
                 # round robin: every (repetition, level) runs each policy once, in an order rotated each round,
                 # so that a drift of the machine over the call lands on every policy alike
@@ -417,8 +425,7 @@ def main():
                         if reps[(sv["policy"], c)]:
                             add_row(sv["policy"], c, reps[(sv["policy"], c)])
                 if not a.phase_first:
-                    for sv in live:
-                        phase(sv)
+                    phase_rounds(live)
             else:
                 for sv in live:
                     for c in levels:
@@ -426,7 +433,8 @@ def main():
                             log("deadline: stop sweep", sv["policy"])
                             break
                         add_row(sv["policy"], c, [measure(sv, c) for _ in range(a.repeats)])
-                    phase(sv)
+                    for _ in range(a.phase_repeats):
+                        phase(sv)
                     retire(sv)
                     time.sleep(2)
         finally:
