@@ -350,23 +350,20 @@ class CostModel:
         self.cell_cv_ = {k: _robust_cv(values) for k, values in
                          ((k, cell.settled()[0]) for k, cell in self.times_.items()) if len(values) >= MIN_SETTLED}
         self.step_cv_ = float(np.median(list(self.cell_cv_.values()))) if self.cell_cv_ else None
-        pooled = self.step_cv_
-        now = self._now_factor()
         by_config: dict[Config, list[tuple[int, float, float, float]]] = {}
         for (c, b), cell in self.times_.items():
             values, weight = cell.settled()
             if values:
-                # the relative standard error of this cell's median (as in step_ms_rel_se); inf
-                # while the engine's noise is unknown, or while the cell has fewer than
-                # MIN_SETTLED values (one slow step is not a dip), so that the cell stays pooled
-                n = min(float(len(values)), weight * now)
-                cv = max(pooled, self.cell_cv_.get((c, b), 0.0)) if pooled is not None else math.inf
-                se = 1.25 * cv / math.sqrt(n) if n >= MIN_SETTLED else math.inf
+                # the relative standard error of this cell's median; inf while the engine's noise
+                # is unknown, or while the cell has fewer than MIN_SETTLED values (one slow step
+                # is not a dip), so that the cell stays pooled
+                n, cv = self._cell_noise((c, b))
+                se = 1.25 * cv / math.sqrt(n) if self.step_cv_ is not None and n >= MIN_SETTLED else math.inf
                 by_config.setdefault(c, []).append((b, float(np.median(values)), weight, se))
         fits: dict[Config, _TimeFit] = {}
         for c, pts in by_config.items():
             pts.sort()
-            fits[c] = _TimeFit.build(pts, release_z=MONOTONE_RELEASE_Z)
+            fits[c] = _TimeFit.build(pts)
         # a configuration seen at one batch size only borrows the shape of the best-covered one
         shape = max((f for f in fits.values() if len(f.b) >= 2), key=lambda f: len(f.b), default=None)
         for f in fits.values():
@@ -587,38 +584,39 @@ class CostModel:
             raise KeyError(f"no step-time measurements for {config_name(c)}")
         if not len(bs):
             return np.zeros(0)
-        pooled = self.step_time_cv()
-        now = self._now_factor()
         var = []
         for b in f.b:
-            key = (tuple(c), int(b))
-            values, weight = self.times_[key].settled()  # type: ignore[index]
-            n = min(float(len(values)), weight * now)
-            cv = max(pooled or 0.0, self.cell_cv_.get(key, 0.0))  # type: ignore[arg-type]
+            n, cv = self._cell_noise((tuple(c), int(b)))  # type: ignore[arg-type]
             if thin_only and n >= MIN_SETTLED:
                 var.append(0.0)
             else:
                 var.append((1.25 * cv) ** 2 / n if n > 0 else math.inf)
-        var_b = np.asarray(var) if pooled is not None else np.zeros(len(f.b))
-        if thin_only:
-            if len(f.b) == 1:
-                return np.full(len(bs), math.sqrt(var_b[0]))
+        var_b = np.asarray(var) if self.step_cv_ is not None else np.zeros(len(f.b))
+        if len(f.b) == 1:
+            noise = np.full(len(bs), var_b[0])
+        else:
             x = np.clip(bs, f.b[0], f.b[-1])
             hi = np.clip(np.searchsorted(f.b, x), 1, len(f.b) - 1)
-            lam = (x - f.b[hi - 1]) / (f.b[hi] - f.b[hi - 1])
-            return np.sqrt((1.0 - lam) ** 2 * var_b[hi - 1] + lam ** 2 * var_b[hi])
+            lo = hi - 1
+            lam = (x - f.b[lo]) / (f.b[hi] - f.b[lo])
+            noise = (1.0 - lam) ** 2 * var_b[lo] + lam ** 2 * var_b[hi]
+        if thin_only:
+            return np.sqrt(noise)
         pred = np.maximum(f.predict(bs), 1e-9)
         outside = np.where(bs < f.b[0], f.predict(f.b[:1])[0] - pred,
                            np.where(bs > f.b[-1], pred - f.predict(f.b[-1:])[0], 0.0)) / pred
         if len(f.b) == 1:
-            return np.sqrt(var_b[0] + outside ** 2 / 3.0)
-        x = np.clip(bs, f.b[0], f.b[-1])
-        hi = np.clip(np.searchsorted(f.b, x), 1, len(f.b) - 1)
-        lo = hi - 1
-        lam = (x - f.b[lo]) / (f.b[hi] - f.b[lo])
+            return np.sqrt(noise + outside ** 2 / 3.0)
         gap = np.where((lam > 0) & (lam < 1), (f.y[hi] - f.y[lo]) / pred, 0.0)
-        return np.sqrt((1.0 - lam) ** 2 * var_b[lo] + lam ** 2 * var_b[hi] + gap ** 2 / 12.0
-                       + outside ** 2 / 3.0)
+        return np.sqrt(noise + gap ** 2 / 12.0 + outside ** 2 / 3.0)
+
+    def _cell_noise(self, key: tuple[Config, int]) -> tuple[float, float]:
+        """(n, cv) behind the median of one (configuration, batch size) cell, as of the last refit:
+        n its recent values, at most its decayed weight; cv the engine's pooled step-time noise, or
+        the cell's own where larger (0 while neither is known)."""
+        values, weight = self.times_[key].settled()
+        return (min(float(len(values)), weight * self._now_factor()),
+                max(self.step_cv_ or 0.0, self.cell_cv_.get(key, 0.0)))
 
     def accept_weight(self, c: Config) -> float:
         """Decayed number of requests behind tau(c) (for uncertainty reporting)."""
@@ -777,16 +775,17 @@ class _TimeFit:
     borrowed: Optional["_TimeFit"] = None
 
     @classmethod
-    def build(cls, pts: Sequence[tuple], release_z: float = 0.0) -> "_TimeFit":
-        """`pts`: (batch size, median, weight[, relative standard error of the median]), sorted
-        by batch size; `release_z` 0 = strictly monotone."""
+    def build(cls, pts: Sequence[tuple[int, float, float, float]],
+              release_z: float = MONOTONE_RELEASE_Z) -> "_TimeFit":
+        """`pts`: (batch size, median, weight, relative standard error of the median), sorted by
+        batch size; `release_z` 0 = strictly monotone."""
         b = np.array([p[0] for p in pts], dtype=float)
         t = np.array([p[1] for p in pts], dtype=float)
         w = np.array([max(p[2], 1e-12) for p in pts], dtype=float)
         y = t.copy()
         if len(b) >= 2:
             y = IsotonicRegression(increasing=True).fit(b, t, sample_weight=w).predict(b)
-            if release_z > 0 and all(len(p) > 3 for p in pts):
+            if release_z > 0:
                 se = np.array([p[3] for p in pts], dtype=float) * t
                 free = np.abs(t - y) > release_z * se
                 keep = ~free
