@@ -401,12 +401,12 @@ class PluginRuntime:
             if isinstance(topk, int) and topk > 1:
                 # SGLang's adaptive_unsupported_reason refused this launch in the main process and only
                 # warned there ("Falling back to static speculative params"): say what happened, here
-                self.error_once(
+                self.warn_once(
                     f"launched with --speculative-eagle-topk {topk}: SGLang's adaptive mode runs topk 1 only, so it "
                     f"fell back to the static tree and specctl is idle. Launch as a topk-1 chain with the tree as one "
                     f"more runtime state: `specctl sglang-args --configs off,s{worker.speculative_num_steps}k{topk}"
                     f"n{worker.speculative_num_draft_tokens} --fallback-config s{worker.speculative_num_steps}k{topk}"
-                    f"n{worker.speculative_num_draft_tokens}` prints the flags")
+                    f"n{worker.speculative_num_draft_tokens}` prints the flags", logging.ERROR)
             else:
                 self.warn_once("SGLang runs without an adaptive controller (launch with "
                                "--speculative-adaptive; see `specctl sglang-args`): specctl is idle")
@@ -421,15 +421,10 @@ class PluginRuntime:
         self.timer = None
         self.warn_once(f"step timing off after an error: {type(e).__name__}: {e}")
 
-    def warn_once(self, msg: str) -> None:
+    def warn_once(self, msg: str, level: int = logging.WARNING) -> None:
         if msg not in self._warned:
             self._warned.add(msg)
-            log.warning("specctl: %s", msg)
-
-    def error_once(self, msg: str) -> None:
-        if msg not in self._warned:
-            self._warned.add(msg)
-            log.error("specctl: %s", msg)
+            log.log(level, "specctl: %s", msg)
 
     def close(self) -> None:
         for s in (self.sender, self.receiver):
