@@ -16,7 +16,7 @@ import numpy as np
 
 from ..policies.baselines import PolicyName, build_baseline, parse_policy_name
 from ..policies.table import OFF, Config, config_name
-from .simulator import Profile, SimResult, Workload, simulate
+from .simulator import Phase, Profile, SimResult, Workload, simulate
 
 SEARCH_THRESHOLDS = (2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48, 64, 80, 96, 128, 192, 256)
 
@@ -175,6 +175,9 @@ class LiveAdaptivePolicy:
 # policies by name
 
 
+WARM_OPTION = "warm_s"  # adaptive:warm_s=N: N s of calibration traffic served before the workload
+
+
 def make_policy(name: str | PolicyName, profile: Profile, workload: Optional[Workload] = None,
                 seed: Optional[int] = None) -> Any:
     pn = parse_policy_name(name) if isinstance(name, str) else name
@@ -194,14 +197,9 @@ def make_policy(name: str | PolicyName, profile: Profile, workload: Optional[Wor
     return build_baseline(pn, profile.config_names, profile.configs, profile.step_ms_all)
 
 
-WARM_OPTION = "warm_s"  # adaptive:warm_s=N: N s of calibration traffic served before the workload
-
-
 def calibration_workload(workload: Workload, seconds: float, *, seed: int) -> Workload:
     """Traffic an already-running server would have served: the workload's request classes, mixed
     evenly, at concurrencies 1, 2, 4, ... up to the workload's peak, equal time at each."""
-    from .simulator import Phase
-
     peak = max([p.concurrency or 0 for p in workload.phases] + [workload.max_running or 0, 1])
     if all(p.concurrency is None for p in workload.phases):  # open loop: concurrency ~ peak rate x latency
         peak = max(peak, 64)
