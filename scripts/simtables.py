@@ -21,6 +21,10 @@ PROFILES = ("moe-1t-int4-tp8-pcie", "dense-8b-h200", "h200-smollm2-135m", "h200-
 WORKLOADS = ("stationary-low", "stationary-high", "ramp", "burst", "code-chat-shift", "demo")
 
 
+def _ok(met: bool) -> str:
+    return "ok" if met else "MISS"
+
+
 def _fmt(x: float) -> str:
     # four places where three would round a shortfall up to 1.000
     return f"{x:.4f}" if 0.9995 <= x < 1.0 else f"{x:.3f}"
@@ -51,14 +55,13 @@ def main() -> None:
                         f"{bt_name} {_fmt(bt['tokens_per_s'] / o)} | {ad['mean_tpot_ms']:.2f} ({orc['mean_tpot_ms']:.2f}) |")
             n_pairs += 1
             r_or, r_ema = a / o, a / ema["tokens_per_s"]
-            ok = lambda c: "ok" if c else "MISS"  # noqa: E731
             met["oracle"] += r_or >= 0.95
             met["ema"] += r_ema >= 0.9999
             if w in STATIONARY:
                 n_stat += 1
                 ref = max(off["tokens_per_s"], bs["tokens_per_s"])
                 met["stat"] += a / ref >= 0.98
-                second = f"{_fmt(a / ref)} vs max(off,static) {ok(a / ref >= 0.98)}"
+                second = f"{_fmt(a / ref)} vs max(off,static) {_ok(a / ref >= 0.98)}"
                 third = "n/a"
             else:
                 r_bs, r_bt = a / bs["tokens_per_s"], a / bt["tokens_per_s"]
@@ -66,10 +69,10 @@ def main() -> None:
                 met["thr"] += r_bt >= 0.9999
                 room = o / bs["tokens_per_s"]
                 note = f"oracle {room:.3f}" + (": infeasible" if room < 1.03 else "")
-                second = f"{_fmt(r_bs)} vs static {ok(r_bs >= 1.03)}" + ("" if r_bs >= 1.03 else f" ({note})")
-                third = f"{_fmt(r_bt)} {ok(r_bt >= 0.9999)}"
-            checks.append(f"| {p} | {w} | {_fmt(r_or)} {ok(r_or >= 0.95)} | {second} | {third} | "
-                          f"{_fmt(r_ema)} {ok(r_ema >= 0.9999)} |")
+                second = f"{_fmt(r_bs)} vs static {_ok(r_bs >= 1.03)}" + ("" if r_bs >= 1.03 else f" ({note})")
+                third = f"{_fmt(r_bt)} {_ok(r_bt >= 0.9999)}"
+            checks.append(f"| {p} | {w} | {_fmt(r_or)} {_ok(r_or >= 0.95)} | {second} | {third} | "
+                          f"{_fmt(r_ema)} {_ok(r_ema >= 0.9999)} |")
     print("| profile | workload | oracle tok/s | adaptive | sglang-ema | off | best static | best threshold "
           "| adaptive TPOT ms (oracle) |")
     print("|---|---|---:|---:|---:|---:|---|---|---:|")
