@@ -25,6 +25,7 @@ MIN_SETTLED = 3  # steady-state values needed before post-switch ones are ignore
 # a batch size whose median is this many standard errors off the monotone fit keeps its median
 MONOTONE_RELEASE_Z = 3.0
 ACCEPT_CAP_PER_S = 64.0  # requests one second of traffic may weigh in the acceptance estimate
+ACCEPT_STEPS_PER_REQUEST = 16.0  # of one request's steps in a second, this many count (see _AcceptCell)
 ACCEPT_VAR_FLOOR = 0.05  # accepted-drafts variance assumed at least (a one-bar histogram has none)
 _REBASE_HALF_LIVES = 256.0  # renormalise decayed weights long before 2**(age/half_life) overflows
 
@@ -92,12 +93,19 @@ class _AcceptCell:
 
     Requests are gathered per second of timestamps and each second counts for at most
     ACCEPT_CAP_PER_S requests when folded in: recent seconds dominate even when they are sparse
-    (a chain probed on 1 step in 64 while plain decode runs) and older ones were dense.
+    (a chain probed on 1 step in 64 while plain decode runs) and older ones were dense. A second
+    also counts for at most ACCEPT_STEPS_PER_REQUEST steps of each request it saw (`cap`), so a
+    second of two requests decoding a hundred steps weighs 32, not 64, against one step of 48
+    fresh requests: when traffic surges onto new prompts, the few old ones give way sooner. The
+    steps of one request do share its prompt (on H200 telemetry one request's ~60-90 steps in a
+    second are worth 34-67 independent ones at batch 2-8, 9-18 at batch 16-100:
+    benchmarks/gpu/acceptance_correlation.py), but 16 is below that at small batches: the value
+    is the simulator's (a faster hand-over after surges, no loss on stationary traffic).
 
     For the estimate's standard error each folded second is one cluster: with y its tail counts
     as folded (y[i] = weight of requests with >= i accepted drafts), `sq` keeps the decayed sum of
     y y^T (how much the seconds scatter) and `q` that of wa * y (the within-second binomial
-    variance of a second worth at most ACCEPT_CAP_PER_S requests); both decay at twice the rate.
+    variance of a second worth at most `cap` requests); both decay at twice the rate.
     """
 
     hist: list  # index a = accepted drafts (0..steps); a plain list: cheap scalar updates
@@ -106,6 +114,7 @@ class _AcceptCell:
     pend: Optional[list] = None  # raw counts of the second being gathered
     pend_second: Optional[int] = None
     pend_wa: float = 0.0  # decay scale of that second
+    pend_req: int = 0  # the most requests one step of that second had (distinct requests, at least)
     # the last folded second, while it disagreed with the history before it:
     # (sign, its counts as folded, its decay scale)
     flagged: Optional[tuple[int, list, float]] = None
@@ -123,7 +132,7 @@ class _AcceptCell:
         n = sum(p)
         shrunk = None
         if n > 0:
-            f = self.pend_wa * min(1.0, ACCEPT_CAP_PER_S / n)
+            f = self.pend_wa * min(1.0, self.cap() / n)
             add = [x * f for x in p]
             if change_z > 0:
                 sign = self._deviation(p, n, change_z)
@@ -146,6 +155,11 @@ class _AcceptCell:
         self.pend_second = None
         return shrunk
 
+    def cap(self) -> float:
+        """What the second being gathered may weigh, in requests: at most ACCEPT_CAP_PER_S, and at
+        most ACCEPT_STEPS_PER_REQUEST steps of each request it saw (see the class)."""
+        return min(ACCEPT_CAP_PER_S, ACCEPT_STEPS_PER_REQUEST * max(1, self.pend_req))
+
     def scale(self, f: float) -> None:
         """Age the history by `f` (a weight factor): counts by f, second moments by f**2."""
         self.hist = [x * f for x in self.hist]
@@ -156,7 +170,7 @@ class _AcceptCell:
     def _deviation(self, p: list, n: int, z: float) -> int:
         """+1 / -1 when the counts `p` (n requests) accept more / fewer drafts per request than
         the history, beyond z standard errors of the difference; else 0. Requests count at most
-        ACCEPT_CAP_PER_S, as when folded."""
+        `cap`, as when folded."""
         h = self.hist
         w = sum(h)
         if w <= 0 or self.pend_wa <= 0:
@@ -164,7 +178,7 @@ class _AcceptCell:
         m0 = sum(k * x for k, x in enumerate(h)) / w
         var = max(ACCEPT_VAR_FLOOR, sum((k - m0) ** 2 * x for k, x in enumerate(h)) / w)
         m1 = sum(k * x for k, x in enumerate(p)) / n
-        se = math.sqrt(var * (1.0 / min(n, ACCEPT_CAP_PER_S) + self.pend_wa / w))
+        se = math.sqrt(var * (1.0 / min(n, self.cap()) + self.pend_wa / w))
         d = (m1 - m0) / se
         return 1 if d > z else -1 if d < -z else 0
 
@@ -173,7 +187,7 @@ class _AcceptCell:
         p = self.pend
         if p is None or not sum(p):
             return self.hist
-        f = self.pend_wa * min(1.0, ACCEPT_CAP_PER_S / sum(p))
+        f = self.pend_wa * min(1.0, self.cap() / sum(p))
         return [h + x * f for h, x in zip(self.hist, p)]
 
     def current_moments(self) -> tuple[np.ndarray, np.ndarray]:
@@ -183,7 +197,7 @@ class _AcceptCell:
         q = np.zeros(k) if self.q is None else self.q
         p = self.pend
         if p is not None and sum(p):
-            f = self.pend_wa * min(1.0, ACCEPT_CAP_PER_S / sum(p))
+            f = self.pend_wa * min(1.0, self.cap() / sum(p))
             s2, q2 = _moments([x * f for x in p], self.pend_wa)
             sq, q = sq + s2, q + q2
         return sq, q
@@ -300,7 +314,9 @@ class CostModel:
                     acc.pend = [0] * (steps + 1)
                     acc.pend_second = second
                     acc.pend_wa = wa
+                    acc.pend_req = 0
                 p = acc.pend
+                acc.pend_req = max(acc.pend_req, len(s.accepted))
                 counts = s.accepted.count  # C-speed passes beat a per-request Python loop
                 for k in range(steps + 1):
                     n = counts(k)
@@ -458,7 +474,7 @@ class CostModel:
           K = (sum w_k)^2 / sum w_k^2 the effective number of seconds behind the average (about
           23 for an 8 s half-life at steady traffic; 2 right after a detected shift);
         - within seconds: binomial, a_p (1 - a_p) over the effective number of requests, each
-          second worth at most ACCEPT_CAP_PER_S as when folded; the floor where the seconds
+          second worth at most its `_AcceptCell.cap` as when folded; the floor where the seconds
           happen to agree, or are too few (K <= 1) to say.
         A deeper position's trend prior adds PRIOR_REQUESTS binomial pseudo-requests. Trees (and
         interval-averaged sources) measure tau directly and count as independent of the rest.

@@ -247,12 +247,26 @@ def test_a_shift_seen_on_one_chain_ages_the_pooled_history_of_the_others():
     assert m.acceptance_by_position(S3)[0] == pytest.approx(0.45, abs=0.08)
 
 
+@pytest.mark.parametrize("batch, steps, weight", [
+    (1, 100, 16),  # one request's steps share its prompt: at most 16 of them count
+    (2, 100, 32),
+    (48, 1, 48),   # one step of 48 requests: 48 prompts
+    (8, 100, 64),  # ACCEPT_CAP_PER_S
+    (2, 5, 10),
+])
+def test_one_second_of_acceptance_weighs_at_most_16_steps_per_request_and_64_in_all(batch, steps, weight):
+    m = CostModel().fit(_chain_steps((0.7, 0.6, 0.5), 1.0, 0.0, batch=batch, steps_per_s=steps))
+    aged = 2.0 ** (-((steps - 1) / steps) / 8.0)  # the second's weight as of its last step (8 s half-life)
+    assert m.accept_weight(S3) == pytest.approx(weight * aged, rel=0.01)
+
+
 def _log_tau_ratio_and_var(m, c=S3, ref=S2):
     return float(np.log(m.tokens_per_step(c) / m.tokens_per_step(ref))), float(m.tau_log_diff_var([ref, c])[0, 1])
 
 
 @pytest.mark.parametrize("batch, steps_per_s, calibrated", [
-    (1, 50, True),    # under ACCEPT_CAP_PER_S requests a second: the estimate's own spread
+    (2, 8, True),     # within both caps (16 a second): the estimate's own spread
+    (1, 50, False),   # 50 steps of one request a second, counted as 16 (its steps correlate in real traffic)
     (8, 100, False),  # 800 a second, counted as 64: conservative (a second is worth at most 64)
 ])
 def test_tau_difference_variance_follows_the_spread_of_the_estimate(batch, steps_per_s, calibrated):
