@@ -97,8 +97,8 @@ class _AcceptCell:
     also counts for at most ACCEPT_STEPS_PER_REQUEST steps of each request it saw (`cap`), so a
     second of two requests decoding a hundred steps weighs 32, not 64, against one step of 48
     fresh requests: when traffic surges onto new prompts, the few old ones give way sooner. The
-    steps of one request do share its prompt (on H200 telemetry one request's ~60-90 steps in a
-    second are worth 34-78 independent ones at batch 2-8, 8-18 at batch 16-100:
+    steps of one request do share its prompt (on H200 telemetry one request's ~60-85 steps in a
+    second are worth 34-78 independent ones at batch 2, 4 and 8, and 8-18 at batch 16-100:
     benchmarks/gpu/acceptance_correlation.py), but 16 is below that at small batches: the value
     is the simulator's (a faster hand-over after surges, no loss on stationary traffic).
 
