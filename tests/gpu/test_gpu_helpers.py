@@ -303,3 +303,39 @@ def test_tree_record_splits_a_sweep_into_its_up_and_down_legs(tmp_path):
     acc = {(x["policy"], x["concurrency"]): (x["before"], x["after"]) for x in rec["acceptance_after_off"]}
     assert acc[("threshold:5:tree", 1)] == (2.08, 2.05) and ("threshold:5:tree", 64) not in acc
     assert {x["leg"] for x in rec["runs"]} == {"up", "down"}
+
+
+def _telemetry_archive(path, rows):
+    """A run_bench-style archive holding one gzipped telemetry file of the given frames."""
+    import gzip
+    import io
+    import tarfile
+    data = gzip.compress(b"".join(json.dumps(r).encode() + b"\n" for r in rows))
+    with tarfile.open(path, "w:gz") as t:
+        info = tarfile.TarInfo("g0/specctl-specctl/telemetry/telemetry-1.jsonl.gz")
+        info.size = len(data)
+        t.addfile(info, io.BytesIO(data))
+
+
+@pytest.mark.parametrize("prompt_effect, low, high", [(False, 0.7, 1.4), (True, 4.0, None)])
+def test_acceptance_correlation_design_effect(tmp_path, monkeypatch, prompt_effect, low, high):
+    import numpy as np
+    import acceptance_correlation as A
+    rng = np.random.default_rng(0)
+    rows = []
+    for second in range(30):
+        # 8 slots, 60 steps a second; with a prompt effect each slot's rate is its own
+        p = rng.uniform(0.2, 0.9, 8) if prompt_effect else np.full(8, 0.55)
+        for i in range(60):
+            acc = (rng.random((8, 3)) < p[:, None]).cumprod(axis=1).sum(axis=1)
+            rows.append({"ts": second + i / 60, "config": {"steps": 3, "topk": 1, "draft_tokens": 4},
+                         "batch_size": 8, "accepted": acc.tolist(), "server": "s", "rank": 0})
+    _telemetry_archive(tmp_path / "g0.tgz", rows)
+    secs = list(A.seconds(A.frames(str(tmp_path / "g0.tgz"), "specctl-specctl/telemetry")))
+    assert len(secs) == 30 and all(s[0] == 3 and s[1] == 8 and s[2].shape == (60, 8) for s in secs)
+    out = tmp_path / "out.json"
+    monkeypatch.setattr(sys, "argv", ["acceptance_correlation.py", f"{tmp_path / 'g0.tgz'}:specctl-specctl/telemetry",
+                                      "--json", str(out)])
+    A.main()
+    (r,) = json.loads(out.read_text())["by_chain_and_batch"]
+    assert r["seconds"] == 30 and r["deff"] > low and (high is None or r["deff"] < high)
