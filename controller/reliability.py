@@ -1020,8 +1020,9 @@ def _policy_table_frames(st: Any) -> Any:
 
 def fuzz_engine_policy(num_cases: int = 10_000, seed: int = 0) -> dict[str, Any]:
     """Policy frames into the engine (EngineController.offer_policy_frame + sync): whatever
-    arrives, every decision names a step count the engine has a runtime state for; a table
-    naming any other step count (or a tree) is refused and the engine stays on its fallback."""
+    arrives, every decision names a step count the engine has a runtime state for; a table whose
+    rows or exploration rows name any other step count (or a tree) is refused and the engine
+    stays on its fallback."""
     from hypothesis import strategies as st
 
     from ..plugin.engine import EngineController
@@ -1047,7 +1048,8 @@ def fuzz_engine_policy(num_cases: int = 10_000, seed: int = 0) -> dict[str, Any]
             rec = wire.decode_policy(frame)
         except wire.WireError as e:
             return e.reason
-        names = {(r.config.steps, r.config.topk) for r in rec.table}
+        # exploring steps run their rows' configurations too: they need runtime states as well
+        names = {(r.config.steps, r.config.topk) for r in list(rec.table) + list(rec.explore or [])}
         runnable = all(s in candidates and (s == 0 or k == 1) for s, k in names)
         if eng.active_source == "fallback":
             if runnable:
