@@ -615,7 +615,9 @@ class CostModel:
             hi = np.clip(np.searchsorted(f.b, x), 1, len(f.b) - 1)
             lo = hi - 1
             lam = (x - f.b[lo]) / (f.b[hi] - f.b[lo])
-            noise = (1.0 - lam) ** 2 * var_b[lo] + lam ** 2 * var_b[hi]
+            with np.errstate(invalid="ignore"):  # 0 * inf: a cell with no weight left, not used here
+                noise = (np.where(lam < 1.0, (1.0 - lam) ** 2 * var_b[lo], 0.0)
+                         + np.where(lam > 0.0, lam ** 2 * var_b[hi], 0.0))
         if thin_only:
             return np.sqrt(noise)
         pred = np.maximum(f.predict(bs), 1e-9)

@@ -1,3 +1,5 @@
+import warnings
+
 import numpy as np
 import pytest
 
@@ -320,3 +322,21 @@ def test_state_round_trip_keeps_the_acceptance_uncertainty():
     legacy = m.get_state()
     legacy["accept"] = [row[:4] for row in legacy["accept"]]  # written before standard errors were kept
     assert np.all(np.isfinite(CostModel().set_state(legacy).tau_log_diff_var([S1, S3])))
+
+
+def test_step_time_standard_error_is_never_nan_beside_a_cell_with_no_weight_left():
+    # a cell whose decayed weight reached 0 (a very old one, or a state file saying so) has an
+    # unknown (infinite) error; a measured batch size beside it keeps its own finite one
+    rows = [Sample(ts=i * 0.01, config=OFF, batch_size=4 if i % 2 else 8, step_ms=5.0 + 0.01 * (i % 7))
+            for i in range(200)]
+    state = CostModel(warmup_steps=0).fit(rows).get_state()
+    for cell in state["times"]:
+        if cell[1] == 8:
+            cell[2] = 0.0
+    m = CostModel().set_state(state).refit()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        se = m.step_ms_rel_se(OFF, [4, 6, 8])
+        thin = m.step_ms_rel_se(OFF, [4, 6, 8], thin_only=True)
+    assert np.isfinite(se[0]) and se[0] > 0 and np.isinf(se[1:]).all()
+    assert thin[0] == 0.0 and np.isinf(thin[1:]).all()
