@@ -251,8 +251,7 @@ class ControllerService:
             trusted = (b >= lo / 4.0) & (b <= hi * reach)
             se = thin = None
             if self.settings.switch_z > 0:
-                se = self.model.step_ms_rel_se(c, b)
-                thin = self.model.step_ms_rel_se(c, b, thin_only=True)
+                se, thin = self.model.step_ms_errors(c, b)
             out.append(cmpolicy.Option(c, tau, self.model.predict_step_ms(c, b), trusted, se, thin))
         return out
 

@@ -579,7 +579,13 @@ class CostModel:
 
     def step_ms_rel_se(self, c: Config, batch_sizes: Sequence[int] | np.ndarray, *,
                        thin_only: bool = False) -> np.ndarray:
-        """Relative standard error of the predicted step time of c at each batch size.
+        """Relative standard error of the predicted step time of c at each batch size
+        (`step_ms_errors`'s first part; `thin_only`: its second)."""
+        se, thin = self.step_ms_errors(c, batch_sizes)
+        return thin if thin_only else se
+
+    def step_ms_errors(self, c: Config, batch_sizes: Sequence[int] | np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(relative standard error of the predicted step time of c, its thin part) at each batch size.
 
         - Noise, at a measured batch size: the prediction is the median of its n recent values
           (isotonic pooling aside, which only narrows it), off by about 1.25 cv / sqrt(n), n at
@@ -592,41 +598,42 @@ class CostModel:
           uniform spread over the gap adding (gap / t)^2 / 12; beyond the measured range,
           anywhere between the end's value and twice the linear extrapolation's distance from
           it, adding (distance / t)^2 / 3.
-        The noise part is 0 while the engine's noise is unknown. `thin_only`: the noise part of
-        the batch sizes with fewer than MIN_SETTLED values only (nothing else)."""
+        The noise part is 0 while the engine's noise is unknown. The thin part is the noise part
+        of the batch sizes with fewer than MIN_SETTLED values only (nothing else)."""
         bs = np.asarray(batch_sizes, dtype=float)
         f = self._check().get(tuple(c))  # type: ignore[arg-type]
         if f is None:
             raise KeyError(f"no step-time measurements for {config_name(c)}")
         if not len(bs):
-            return np.zeros(0)
-        var = []
-        for b in f.b:
-            n, cv = self._cell_noise((tuple(c), int(b)))  # type: ignore[arg-type]
-            if thin_only and n >= MIN_SETTLED:
-                var.append(0.0)
-            else:
-                var.append((1.25 * cv) ** 2 / n if n > 0 else math.inf)
-        var_b = np.asarray(var) if self.step_cv_ is not None else np.zeros(len(f.b))
+            return np.zeros(0), np.zeros(0)
+        var, thin_b = np.zeros(len(f.b)), np.zeros(len(f.b))
+        if self.step_cv_ is not None:
+            for i, b in enumerate(f.b):
+                n, cv = self._cell_noise((tuple(c), int(b)))  # type: ignore[arg-type]
+                var[i] = (1.25 * cv) ** 2 / n if n > 0 else math.inf
+                if n < MIN_SETTLED:
+                    thin_b[i] = var[i]
         if len(f.b) == 1:
-            noise = np.full(len(bs), var_b[0])
+            noise, thin = np.full(len(bs), var[0]), np.full(len(bs), thin_b[0])
         else:
             x = np.clip(bs, f.b[0], f.b[-1])
             hi = np.clip(np.searchsorted(f.b, x), 1, len(f.b) - 1)
             lo = hi - 1
             lam = (x - f.b[lo]) / (f.b[hi] - f.b[lo])
-            with np.errstate(invalid="ignore"):  # 0 * inf: a cell with no weight left, not used here
-                noise = (np.where(lam < 1.0, (1.0 - lam) ** 2 * var_b[lo], 0.0)
-                         + np.where(lam > 0.0, lam ** 2 * var_b[hi], 0.0))
-        if thin_only:
-            return np.sqrt(noise)
+
+            def interpolate(v: np.ndarray) -> np.ndarray:
+                with np.errstate(invalid="ignore"):  # 0 * inf: a cell with no weight left, not used here
+                    return (np.where(lam < 1.0, (1.0 - lam) ** 2 * v[lo], 0.0)
+                            + np.where(lam > 0.0, lam ** 2 * v[hi], 0.0))
+
+            noise, thin = interpolate(var), interpolate(thin_b)
         pred = np.maximum(f.predict(bs), 1e-9)
         outside = np.where(bs < f.b[0], f.predict(f.b[:1])[0] - pred,
                            np.where(bs > f.b[-1], pred - f.predict(f.b[-1:])[0], 0.0)) / pred
         if len(f.b) == 1:
-            return np.sqrt(noise + outside ** 2 / 3.0)
+            return np.sqrt(noise + outside ** 2 / 3.0), np.sqrt(thin)
         gap = np.where((lam > 0) & (lam < 1), (f.y[hi] - f.y[lo]) / pred, 0.0)
-        return np.sqrt(noise + gap ** 2 / 12.0 + outside ** 2 / 3.0)
+        return np.sqrt(noise + gap ** 2 / 12.0 + outside ** 2 / 3.0), np.sqrt(thin)
 
     def _cell_noise(self, key: tuple[Config, int]) -> tuple[float, float]:
         """(n, cv) behind the median of one (configuration, batch size) cell, as of the last refit:
