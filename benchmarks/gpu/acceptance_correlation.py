@@ -14,28 +14,19 @@ from __future__ import annotations
 
 import argparse
 import collections
-import gzip
-import io
 import json
-import tarfile
+import os
+import sys
 
 import numpy as np
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from replay_versions import frames_from  # noqa: E402
+
 
 def frames(tar: str, sub: str) -> list[dict]:
-    out = []
-    with tarfile.open(tar) as t:
-        for m in t.getmembers():
-            if m.isfile() and sub in m.name and ".jsonl" in m.name:
-                gz = gzip.GzipFile(fileobj=io.BytesIO(t.extractfile(m).read()))  # type: ignore[union-attr]
-                try:
-                    for ln in gz:  # a recording cut by a SIGKILL: what was flushed is read
-                        ln = ln.strip()
-                        if ln.startswith(b"{") and ln.endswith(b"}"):
-                            out.append(json.loads(ln))
-                except (EOFError, OSError):
-                    pass
-    return out
+    """The telemetry records of an archive's members matching `sub` (replay_versions' reader)."""
+    return [json.loads(b) for b in frames_from(tar, sub)]
 
 
 def seconds(fr: list[dict], min_steps: int = 20):
