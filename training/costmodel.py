@@ -19,9 +19,11 @@ from sklearn.isotonic import IsotonicRegression
 
 Config = tuple[int, int, int]  # (steps, topk, draft_tokens)
 OFF: Config = (0, 1, 1)
-RING = 32  # recent step times kept per (config, batch size) for the robust median
+RING = 64  # recent step times kept per (config, batch size) for the robust median
 PRIOR_REQUESTS = 32.0  # pseudo-requests behind the trend prior of a deeper chain position
 MIN_SETTLED = 3  # steady-state values needed before post-switch ones are ignored
+# post-switch values newer than every steady one that replace the steady values (see _TimeCell)
+FRESH_WARM = 16
 # a batch size whose median is this many standard errors off the monotone fit keeps its median
 MONOTONE_RELEASE_Z = 3.0
 ACCEPT_CAP_PER_S = 64.0  # requests one second of traffic may weigh in the acceptance estimate
@@ -73,18 +75,44 @@ class Sample:
 
 @dataclass
 class _TimeCell:
-    """Step times of one (config, batch size): decayed weight + the most recent values."""
+    """Step times of one (config, batch size): decayed weight + the most recent values, each
+    with its timestamp.
+
+    Steady values (not right after a configuration switch) are preferred. Post-switch values
+    stand in while there are fewer than MIN_SETTLED steady ones, and once FRESH_WARM of them
+    arrived after the newest steady value: a configuration the table left is then only measured
+    by exploring steps, single steps between switches, and its last steady values would
+    otherwise stand for it for good. Those were also the values that made the table leave it:
+    a median of a few dozen noisy steps that happened to come out high, never revised. When
+    the configuration runs steadily again, the superseded steady values are dropped, so its
+    estimate goes on from the exploring steps' until MIN_SETTLED new steady values arrived."""
 
     weight: float = 0.0  # decayed, in the model's scaled units
     recent: deque = field(default_factory=lambda: deque(maxlen=RING))
+    recent_ts: deque = field(default_factory=lambda: deque(maxlen=RING))
     warm_weight: float = 0.0  # steps right after a configuration switch
     warm: deque = field(default_factory=lambda: deque(maxlen=RING))
+    warm_ts: deque = field(default_factory=lambda: deque(maxlen=RING))
+    warm_since_steady: int = 0  # post-switch values taken since the newest steady one
 
-    def settled(self) -> tuple[deque, float]:
-        """The steady-state values if there are enough, else the post-switch ones."""
+    def settled(self) -> tuple[list, float]:
+        """The values the cell's median is taken over, and the decayed weight behind them."""
+        fresh = min(self.warm_since_steady, len(self.warm))
+        if fresh >= FRESH_WARM:
+            return list(self.warm)[-fresh:], self.warm_weight
         if len(self.recent) >= MIN_SETTLED or not self.warm:
-            return self.recent, self.weight
-        return self.warm, self.warm_weight
+            return list(self.recent), self.weight
+        return list(self.warm), self.warm_weight
+
+    def values_since(self, ts: float, enough: int) -> int:
+        """How many values (steady or not) are stamped at or after ts, counting up to `enough`."""
+        n = 0
+        for stamps in (self.recent_ts, self.warm_ts):
+            for t in reversed(stamps):
+                if t < ts or n >= enough:
+                    break
+                n += 1
+        return n
 
 
 @dataclass
@@ -330,7 +358,7 @@ class CostModel:
         # step time: the first steps after a switch pay for state changes; skip them (single
         # steps only: an interval-averaged sample has already diluted them)
         if s.weight > 1:
-            self._add_time(c, s.batch_size, w, s.step_ms)  # type: ignore[arg-type]
+            self._add_time(c, s.batch_size, w, s.step_ms, ts=s.ts)  # type: ignore[arg-type]
             return
         key = (s.server, s.rank)
         prev = self.last_config_.get(key)
@@ -344,9 +372,10 @@ class CostModel:
         warm = n <= self.warmup_steps
         if warm:
             self.num_warmup_dropped_ += 1
-        self._add_time(c, s.batch_size, w, s.step_ms, warm)  # type: ignore[arg-type]
+        self._add_time(c, s.batch_size, w, s.step_ms, warm, s.ts)  # type: ignore[arg-type]
 
-    def _add_time(self, c: Config, batch_size: int, w: float, step_ms: float, warm: bool = False) -> None:
+    def _add_time(self, c: Config, batch_size: int, w: float, step_ms: float, warm: bool = False,
+                  ts: float = 0.0) -> None:
         b = min(batch_size, self.max_batch)
         cell = self.times_.get((c, b))
         if cell is None:
@@ -356,9 +385,16 @@ class CostModel:
             # (an engine switching every step pays the switch every step)
             cell.warm_weight += w
             cell.warm.append(step_ms)
+            cell.warm_ts.append(ts)
+            cell.warm_since_steady += 1
         else:
+            if cell.warm_since_steady >= FRESH_WARM:  # the steady values were superseded (see _TimeCell)
+                cell.recent.clear()
+                cell.recent_ts.clear()
             cell.weight += w
             cell.recent.append(step_ms)
+            cell.recent_ts.append(ts)
+            cell.warm_since_steady = 0
 
     # ------------------------------------------------------------------ fitting
 
@@ -669,6 +705,17 @@ class CostModel:
             out.append((lo, hi, wsum * f))
         return out
 
+    def values_since(self, c: Config, lo: int, hi: int, ts: float, enough: int) -> int:
+        """Step times of c at batch sizes lo..hi stamped at or after ts (counted up to `enough`)."""
+        n, c = 0, tuple(c)
+        for b in range(max(1, lo), min(hi, self.max_batch) + 1):
+            cell = self.times_.get((c, b))  # type: ignore[arg-type]
+            if cell is not None:
+                n += cell.values_since(ts, enough - n)
+                if n >= enough:
+                    break
+        return n
+
     def step_time_cv(self) -> Optional[float]:
         """Robust coefficient of variation of the step time at a fixed configuration and batch
         size, as of the last refit: the median over (configuration, batch size) cells of
@@ -689,6 +736,11 @@ class CostModel:
         if f is None:
             return (0, 0, 0)
         return (int(f.b[0]), int(f.b[-1]), len(f.b))
+
+    def measured_batches(self, c: Config) -> list[int]:
+        """The batch sizes with step times of c, as of the last refit."""
+        f = self._check().get(tuple(c))  # type: ignore[arg-type]
+        return [] if f is None else [int(b) for b in f.b]
 
     def max_observed_batch(self) -> int:
         return max((b for (_, b) in self.times_), default=0)
@@ -713,7 +765,8 @@ class CostModel:
             "half_life_s": self.half_life_s, "accept_half_life_s": self.accept_half_life_s,
             "t0": self.t0_, "now": self.now_,
             "num_samples": self.num_samples_, "warmup_dropped": self.num_warmup_dropped_,
-            "times": [[list(c), b, cell.weight, list(cell.recent), cell.warm_weight, list(cell.warm)]
+            "times": [[list(c), b, cell.weight, list(cell.recent), cell.warm_weight, list(cell.warm),
+                       list(cell.recent_ts), list(cell.warm_ts)]
                       for (c, b), cell in self.times_.items()],
             "accept": [[list(c), list(a.current()), a.mean_sum, a.mean_weight,
                         *(m.tolist() for m in a.current_moments())] for c, a in self.accept_.items()],
@@ -727,10 +780,20 @@ class CostModel:
         self.now_ = float(state["now"])
         self.num_samples_ = int(state["num_samples"])
         self.num_warmup_dropped_ = int(state.get("warmup_dropped", 0))
-        for c, b, w, recent, ww, warm in state["times"]:
+        for c, b, w, recent, ww, warm, *stamps in state["times"]:
             cell = _TimeCell(weight=float(w), warm_weight=float(ww))
             cell.recent.extend(float(x) for x in recent[-RING:])
             cell.warm.extend(float(x) for x in warm[-RING:])
+            # states written before values were stamped: stamped with the state's newest time
+            if len(stamps) not in (0, 2):
+                raise ValueError("model state: a step-time cell has neither 6 nor 8 fields")
+            rts, wts = stamps if stamps else ([self.now_] * len(recent), [self.now_] * len(warm))
+            if len(rts) != len(recent) or len(wts) != len(warm):
+                raise ValueError("model state: step times and their timestamps differ in number")
+            cell.recent_ts.extend(float(x) for x in rts[-RING:])
+            cell.warm_ts.extend(float(x) for x in wts[-RING:])
+            newest = cell.recent_ts[-1] if cell.recent_ts else -math.inf
+            cell.warm_since_steady = sum(1 for t in cell.warm_ts if t > newest)
             self.times_[(tuple(c), int(b))] = cell  # type: ignore[index]
         for c, hist, ms, mw, *moments in state["accept"]:
             cell = _AcceptCell(hist=[float(x) for x in hist], mean_sum=float(ms), mean_weight=float(mw))

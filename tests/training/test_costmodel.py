@@ -3,7 +3,7 @@ import warnings
 import numpy as np
 import pytest
 
-from specctl.training.costmodel import CostModel, Sample
+from specctl.training.costmodel import FRESH_WARM, RING, CostModel, Sample
 from specctl.training.synth import generate, truth_with_crossover
 
 OFF, S1, S2, S3, S5 = (0, 1, 1), (1, 1, 2), (2, 1, 3), (3, 1, 4), (5, 1, 6)
@@ -178,6 +178,62 @@ def test_state_round_trip():
         CostModel().set_state({"kind": "other"})
 
 
+def _left_then_probed(probes, steady_after=0):
+    """Plain decode runs steadily at batch 4 (its values 2.5 ms), then the table leaves it: only
+    single exploring steps between s2 steps (2.0 ms) measure it, then maybe steady steps (3.0 ms)."""
+    rows, ts = [], 0.0
+    for _ in range(200):
+        ts += 0.01
+        rows.append(Sample(ts=ts, config=OFF, batch_size=4, step_ms=2.5))
+    for i in range(probes):
+        for j in range(63):
+            ts += 0.01
+            rows.append(Sample(ts=ts, config=S2, batch_size=4, step_ms=5.0, accepted=[1, 1, 1, 1]))
+        ts += 0.01
+        rows.append(Sample(ts=ts, config=OFF, batch_size=4, step_ms=2.0))
+    for _ in range(steady_after):
+        ts += 0.01
+        rows.append(Sample(ts=ts, config=OFF, batch_size=4, step_ms=3.0))
+    return rows
+
+
+@pytest.mark.parametrize("probes, steady_after, expect", [
+    (0, 0, 2.5),    # the steady values
+    (FRESH_WARM - 1, 0, 2.5),  # fewer than FRESH_WARM exploring steps since: the steady values stand
+    (FRESH_WARM, 0, 2.0),      # FRESH_WARM of them, newer than every steady value: they stand for the cell
+    (40, 0, 2.0),
+    (40, 3, 2.0),   # steady again (2 post-switch steps, then 1 steady): not yet the old steady values
+    (40, 5, 3.0),   # MIN_SETTLED new steady values take over
+])
+def test_a_left_configuration_is_measured_by_its_exploring_steps(probes, steady_after, expect):
+    m = CostModel(warmup_steps=2).fit(_left_then_probed(probes, steady_after))
+    assert m.predict_step_ms(OFF, [4])[0] == pytest.approx(expect)
+    m2 = CostModel(warmup_steps=2).set_state(m.get_state())  # the timestamps survive a restart
+    assert m2.predict_step_ms(OFF, [4])[0] == pytest.approx(expect)
+
+
+def test_values_since_counts_both_kinds_of_step_time_per_region():
+    m = CostModel(warmup_steps=2).fit(_left_then_probed(20))
+    last_steady = 200 * 0.01
+    assert m.values_since(OFF, 4, 7, 0.0, 1000) == RING + 20  # a full steady ring + 20 probes
+    assert m.values_since(OFF, 4, 7, last_steady + 1e-6, 1000) == 20
+    assert m.values_since(OFF, 4, 7, last_steady + 1e-6, 16) == 16  # counting stops at enough
+    assert m.values_since(OFF, 8, 15, 0.0, 1000) == 0
+    assert m.values_since(S2, 1, 3, 0.0, 1000) == 0
+
+
+def test_a_state_without_timestamps_loads_with_the_states_time():
+    m = CostModel(warmup_steps=2).fit(_left_then_probed(20))
+    state = m.get_state()
+    state["times"] = [cell[:6] for cell in state["times"]]  # as written before values were stamped
+    m2 = CostModel(warmup_steps=2).set_state(state)
+    assert m2.predict_step_ms(OFF, [4])[0] == pytest.approx(2.5)  # nothing is newer than the steady values
+    assert m2.values_since(OFF, 4, 7, state["now"], 1000) == RING + 20
+    state["times"][0] = state["times"][0] + [[]]
+    with pytest.raises(ValueError, match="6 nor 8 fields"):
+        CostModel().set_state(state)
+
+
 def test_summary_reports_regions_and_uncertainty():
     truth = truth_with_crossover(12)
     m = CostModel().fit(_samples(truth, 3000, list(range(1, 33))))
@@ -306,12 +362,12 @@ def test_step_time_standard_error_counts_noise_gaps_and_extrapolation():
     m = CostModel(warmup_steps=0).fit(rows)
     se = m.step_ms_rel_se(OFF, [8, 12, 64])
     assert m.step_time_cv() == pytest.approx(0.02, rel=0.3)
-    assert se[0] == pytest.approx(1.25 * 0.02 / np.sqrt(32), rel=0.35)  # the median of 32 recent values
+    assert se[0] == pytest.approx(1.25 * 0.02 / np.sqrt(RING), rel=0.35)  # the median of RING recent values
     assert se[1] > (9.0 - 7.0) / 8.0 / np.sqrt(12) * 0.95  # 12 is anywhere between the measured 7 and 9 ms
     assert se[2] > (21.0 - 13.0) / 21.0 / np.sqrt(3) * 0.9  # an extrapolation: anywhere up to twice as far
     # a batch size noisier than the engine's usual counts with its own scatter
     m.partial_fit([Sample(ts=10 + i * 0.01, config=OFF, batch_size=24, step_ms=11.0 * (1 + 0.2 * rng.standard_normal()))
-                   for i in range(32)])
+                   for i in range(RING)])
     assert m.step_ms_rel_se(OFF, [24])[0] > 4 * m.step_ms_rel_se(OFF, [8])[0]
 
 
