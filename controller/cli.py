@@ -91,6 +91,10 @@ def main(log_level: str) -> None:
 @click.option("--explore-decided-z", default=3.0, show_default=True, type=click.FloatRange(min=0.0),
               help="Stop exploring a configuration in a batch region once its measured step time puts it "
                    "this many standard errors from winning there; 0 = explore until the region has data.")
+@click.option("--refresh-s", default=120.0, show_default=True, type=click.FloatRange(min=0.0),
+              help="Measure again, on exploring steps, a configuration the table left in a batch region "
+                   "where it could still win, once it has had fewer than 32 step times there over this "
+                   "many seconds; 0 = never (its last measurements then stand for it).")
 @click.option("--switch-z", default=2.0, show_default=True, type=click.FloatRange(min=0.0),
               help="Move a table boundary, or keep an island, only where the better configuration's goodput "
                    "lead exceeds this many standard errors (acceptance and step time); 0 = the 1% margin alone.")
@@ -122,7 +126,7 @@ def main(log_level: str) -> None:
               help="When telemetry arrives faster than it can be fitted, fit every other record "
                    "(counted as shed) instead of back-pressuring the senders.")
 def serve(telemetry, publish, status_ep, state_dir, refit_interval, heartbeat, half_life,
-          accept_half_life, accept_change_z, explore_decided_z, switch_z, max_margin, mode,
+          accept_half_life, accept_change_z, explore_decided_z, refresh_s, switch_z, max_margin, mode,
           threshold, fixed_config, configs, explore_period, metrics_port, metrics_host, init_policy,
           record, record_max_mb, curve_secret_key, curve_allowed_dir, insecure,
           shed_when_behind) -> None:
@@ -141,7 +145,7 @@ def serve(telemetry, publish, status_ep, state_dir, refit_interval, heartbeat, h
                                        refit_interval_s=refit_interval, heartbeat_s=heartbeat,
                                        half_life_s=half_life, accept_half_life_s=accept_half_life,
                                        accept_change_z=accept_change_z, explore_decided_z=explore_decided_z,
-                                       switch_z=switch_z, max_margin=max_margin,
+                                       refresh_s=refresh_s, switch_z=switch_z, max_margin=max_margin,
                                        candidates=configs,
                                        explore_period=explore_period)
     except ValueError as e:

@@ -25,6 +25,9 @@ log = logging.getLogger("specctl.service")
 
 MAX_SEEN_CANDIDATES = 16  # configurations taken from telemetry when --configs is not given
 MAX_EXPLORE_ROWS = 256
+# step times a configuration still in the running is kept measured with, per region and
+# ServiceSettings.refresh_s (see ControllerService._with_refresh_rows)
+REFRESH_VALUES = 32
 
 
 @dataclass(frozen=True)
@@ -51,6 +54,10 @@ class ServiceSettings:
     # stop exploring a (region, configuration) once it is this many standard errors of its
     # measured step time away from winning there (0 = explore until min_region_samples)
     explore_decided_z: float = 3.0
+    # a configuration the table does not run in a region, and that is not decided against
+    # there (explore_decided_z), is measured again once it has had fewer than REFRESH_VALUES step
+    # times there over this many seconds (0 = never; see ControllerService._with_refresh_rows)
+    refresh_s: float = 120.0
     warmup_steps: int = 2
     # configurations the engines have runtime states for; None = those seen in telemetry + off
     candidates: Optional[tuple[Config, ...]] = None
@@ -291,6 +298,7 @@ class ControllerService:
                                       if z > 0 else None)
             explore = self._without_decided(explore, derived, options)
             explore = self._with_acceptance_probes(explore, derived, options)
+            explore = self._with_refresh_rows(explore, derived, options)
             table = PolicyTable(rows=derived.rows, explore=explore,
                                 explore_period=self.settings.explore_period if explore else 0)
             source = "online"
@@ -378,6 +386,61 @@ class ControllerService:
             if not decided:
                 keep.append(r)
         return tuple(keep)
+
+    def _with_refresh_rows(self, rows: tuple[Row, ...], table: PolicyTable,
+                           options: list[cmpolicy.Option]) -> tuple[Row, ...]:
+        """Measure again, now and then, the configurations the table left where they are still
+        in the running.
+
+        A configuration the table does not choose in a region is measured there only by
+        exploring steps, and those stop once it has min_region_samples (decayed) step times.
+        But its prediction is the median of a few dozen values, and the table left it because
+        that median came out high: noise that nothing would ever revise. So where such a
+        configuration could still beat the table's choice at a batch size of the region where
+        it has step times of its own (its goodput sped up by `explore_decided_z` standard
+        errors of its step time, the choice's slowed down alike), and it has had fewer than
+        REFRESH_VALUES step times there in the last `refresh_s` seconds, its exploration row
+        returns until it has them. Exploring steps are single steps after a switch; once
+        FRESH_WARM of them are newer than a cell's steady values they stand for the cell (see
+        CostModel's _TimeCell). Cost: at most REFRESH_VALUES exploring steps per configuration
+        and region every `refresh_s`, and only where the comparison is open.
+
+        The values are the simulator's: on the measured 135M base profile (step-time noise cv
+        0.32) at stationary concurrency 4, seeds 100-111, a 60 s refresh or 16 values cost more
+        in noise-driven switches than they saved; 120 s and 32 were neutral on the shipped
+        pairs (docs/benchmarks.md, "Session 8")."""
+        z = self.settings.explore_decided_z
+        if self.settings.refresh_s <= 0 or self.settings.explore_period <= 0 or z <= 0:
+            return rows
+        top = self.model.max_observed_batch()
+        if top <= 0 or len(options) < 2:
+            return rows
+        since = self.clock() - self.settings.refresh_s
+        upper, lower, trust = {}, {}, {}
+        for o in options:
+            se = o.step_ms_se if o.step_ms_se is not None else np.zeros(len(o.step_ms))
+            g = o.goodput()
+            upper[o.config] = g * (1.0 + z * se)
+            lower[o.config] = g * np.maximum(0.0, 1.0 - z * se)
+            trust[o.config] = o.trust()
+        have = {(r.min_batch, r.config) for r in rows}
+        extra = []
+        measured = {c: self.model.measured_batches(c) for c in upper}
+        for lo, hi in regions(top):
+            chosen = {b: table.lookup(b) for b in range(lo, hi + 1) if b <= top}
+            for c in upper:
+                if (lo, c) in have or c in chosen.values():
+                    continue
+                # where c has step times of its own: elsewhere its prediction is an
+                # interpolation, and the exploration rows of unmeasured regions cover it
+                open_ = any(trust[c][b - 1] and chosen[b] in trust and trust[chosen[b]][b - 1]
+                            and upper[c][b - 1] >= lower[chosen[b]][b - 1]
+                            for b in measured[c] if lo <= b <= min(hi, top))
+                if open_ and self.model.values_since(c, lo, hi, since, REFRESH_VALUES) < REFRESH_VALUES:
+                    extra.append(Row(lo, hi, c))
+        if not extra:
+            return rows
+        return tuple(sorted(list(rows) + extra, key=lambda r: (r.min_batch, r.config))[:MAX_EXPLORE_ROWS])
 
     def _with_acceptance_probes(self, rows: tuple[Row, ...], table: PolicyTable,
                                 options: list[cmpolicy.Option]) -> tuple[Row, ...]:

@@ -1,11 +1,13 @@
 import json
 
+import numpy as np
 import pytest
 
 from specctl.controller import wire
-from specctl.controller.service import ControllerService, ServiceSettings
+from specctl.controller.service import REFRESH_VALUES, ControllerService, ServiceSettings
 from specctl.controller.state import StateStore
 from specctl.policies.table import PolicyTable
+from specctl.training.costmodel import FRESH_WARM
 from specctl.training.synth import generate, truth_with_crossover
 
 
@@ -411,3 +413,64 @@ def test_a_fallback_the_engines_have_no_state_for_is_refused_up_front():
     with pytest.raises(ValueError, match="fallback configuration s3 is not among the engines' runtime states"):
         ServiceSettings(candidates=((0, 1, 1), (1, 1, 2), (2, 4, 16)))
     ServiceSettings(candidates=((0, 1, 1), (2, 4, 16)), fixed_config=(2, 4, 16))
+
+
+def _closed_loop(svc, clock, seconds, step_ms, tau, seed, batch=4, start_ms=None, start_steps=0):
+    """An engine at a fixed batch size following the service's table (exploring steps
+    included), its step times lognormal around `step_ms[config]` (cv 0.3), the service ticking
+    every second of its clock. The first `start_steps` steps run plain decode at `start_ms`
+    (the engine was slower then). Returns the configuration run at each step."""
+    rng = np.random.default_rng(seed)
+    sigma = np.sqrt(np.log1p(0.3 ** 2))
+    ran, next_tick, end, i = [], clock.t + 1.0, clock.t + seconds, 0
+    while clock.t < end:
+        if i < start_steps:
+            c, ms = (0, 1, 1), start_ms
+        else:
+            c = table(svc).decide(batch, i)
+            ms = step_ms[c]
+        ms *= rng.lognormal(-0.5 * sigma * sigma, sigma)
+        rec = {"kind": "step", "schema": 1, "server": "s", "rank": 0, "iter": i, "ts": clock.t,
+               "batch_size": batch, "config": {"steps": c[0], "topk": c[1], "draft_tokens": c[2]},
+               "step_ms": round(ms, 4)}
+        if c[0]:  # accepted drafts per request: tau - 1 on average
+            k = tau[c] - 1.0
+            rec["accepted"] = [int(x) for x in rng.random(batch) < k - int(k)] if k < 1 else [
+                int(k) + int(x) for x in rng.random(batch) < k - int(k)]
+        assert svc.observe_frame(json.dumps(rec).encode())
+        ran.append(c)
+        clock.t += ms / 1000.0
+        i += 1
+        if clock.t >= next_tick:
+            svc.tick()
+            next_tick += 1.0
+    return ran
+
+
+@pytest.mark.parametrize("refresh_s, back_to_plain", [(60.0, True), (0.0, False)])
+def test_a_configuration_left_on_high_step_times_is_measured_again(refresh_s, back_to_plain):
+    """Plain decode ran slowly for a while (2.9 ms at batch 4), long enough to be measured and
+    dropped for s2 (2.2 tokens per 5 ms step); then the engine became fast again (2.0 ms), which
+    only exploring steps can show. Plain decode is 14% better than s2 at batch 4 then. Its
+    exploration row returns refresh_s after its last values, and its exploring steps stand for
+    it once there are FRESH_WARM of them: the engine goes back to plain decode. Without the
+    refresh the old median stands for good."""
+    off, s2 = (0, 1, 1), (2, 1, 3)
+    clock = Clock()
+    svc = ControllerService(ServiceSettings(refit_interval_s=1, candidates=(off, s2), fixed_config=s2,
+                                            refresh_s=refresh_s), clock=clock)
+    assert ServiceSettings().refresh_s == 120.0
+    step_ms, tau = {off: 2.0, s2: 5.0}, {s2: 2.2}
+    _closed_loop(svc, clock, 20, step_ms, tau, seed=1, start_ms=2.9, start_steps=2000)
+    assert table(svc).lookup(4) == s2
+    before = _closed_loop(svc, clock, 90, step_ms, tau, seed=2)
+    after = _closed_loop(svc, clock, 40, step_ms, tau, seed=3)
+    if back_to_plain:
+        # the exploring steps before the switch: FRESH_WARM to stand for the cell, at most
+        # REFRESH_VALUES in refresh_s
+        switch = next(i for i in range(len(before)) if before[i:i + 10] == [off] * 10)
+        probes = before[:switch].count(off)
+        assert FRESH_WARM <= probes <= REFRESH_VALUES, probes
+        assert after.count(off) >= 0.8 * len(after)  # the table's noise aside, plain decode
+    else:
+        assert before.count(off) == after.count(off) == 0  # nothing measured plain decode again
