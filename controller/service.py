@@ -405,10 +405,13 @@ class ControllerService:
         CostModel's _TimeCell). Cost: at most REFRESH_VALUES exploring steps per configuration
         and region every `refresh_s`, and only where the comparison is open.
 
-        The values are the simulator's: on the measured 135M base profile (step-time noise cv
-        0.32) at stationary concurrency 4, seeds 100-111, a 60 s refresh or 16 values cost more
-        in noise-driven switches than they saved; 120 s and 32 were neutral on the shipped
-        pairs (docs/benchmarks.md, "Session 8")."""
+        The values are the simulator's (docs/benchmarks.md, "Session 8"): on the measured 135M
+        base profile (step-time noise cv 0.32) at stationary concurrency 4, seeds 100-111, 16
+        values every 15 s lost more to switches on noisy medians than they saved; 32 every
+        60 s cost the stationary-high pairs 0.2-0.4% in exploring steps; 32 every 120 s was
+        neutral on the shipped pairs and better on those seeds. Within a 120 s workload that
+        re-measures thinly measured configurations; one that ran steadily before it was left
+        is measured again refresh_s after it was left."""
         z = self.settings.explore_decided_z
         if self.settings.refresh_s <= 0 or self.settings.explore_period <= 0 or z <= 0:
             return rows
