@@ -474,3 +474,28 @@ def test_a_configuration_left_on_high_step_times_is_measured_again(refresh_s, ba
         assert after.count(off) >= 0.8 * len(after)  # the table's noise aside, plain decode
     else:
         assert before.count(off) == after.count(off) == 0  # nothing measured plain decode again
+
+
+@pytest.mark.parametrize("decided_z, row", [
+    (3.0, False),   # at 32-63 s3 has values only at 48, where plain decode wins by 27%
+    (30.0, True),   # a bound wide enough to leave 48 open: the row is there
+])
+def test_a_left_configuration_is_measured_again_only_where_its_own_values_leave_it_in_the_running(decided_z, row):
+    """Between its measured batch sizes a configuration's prediction is an interpolation whose
+    standard error spans the whole gap: judged there, s3 at 32-47 (measured at 2 and 48) would
+    look undecided and be probed on every exploring step, each 3.6x a plain step here."""
+    from specctl.training.synth import GroundTruth
+
+    clock = Clock()
+    svc = ControllerService(ServiceSettings(refit_interval_s=1, candidates=((0, 1, 1), (3, 1, 4)),
+                                            explore_decided_z=decided_z), clock=clock)
+    off, s3 = truth_with_crossover(24).configs
+    feed(svc, clock, GroundTruth((off,)), 4000, list(range(1, 64)))
+    feed(svc, clock, GroundTruth((s3,)), 3000, [2, 48], seed=1)
+    # two minutes of plain decode at 40: s3's values at 32-63 are older than refresh_s
+    feed(svc, clock, GroundTruth((off,)), 20000, [40], seed=2)
+    clock.t += 1
+    svc.tick()
+    assert table(svc).lookup(40) == (0, 1, 1)
+    rows = {(r.min_batch, r.config.key) for r in (svc.policy.explore or [])}
+    assert ((32, (3, 1, 4)) in rows) == row, rows
