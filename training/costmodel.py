@@ -9,6 +9,7 @@ property of the traffic: it shifts within a minute when the prompt mix does).
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections import deque
 from dataclasses import dataclass, field
@@ -95,14 +96,14 @@ class _TimeCell:
     warm_ts: deque = field(default_factory=lambda: deque(maxlen=RING))
     warm_since_steady: int = 0  # post-switch values taken since the newest steady one
 
-    def settled(self) -> tuple[list, float]:
+    def settled(self) -> tuple[Sequence[float], float]:
         """The values the cell's median is taken over, and the decayed weight behind them."""
         fresh = min(self.warm_since_steady, len(self.warm))
         if fresh >= FRESH_WARM:
-            return list(self.warm)[-fresh:], self.warm_weight
+            return list(itertools.islice(self.warm, len(self.warm) - fresh, None)), self.warm_weight
         if len(self.recent) >= MIN_SETTLED or not self.warm:
-            return list(self.recent), self.weight
-        return list(self.warm), self.warm_weight
+            return self.recent, self.weight
+        return self.warm, self.warm_weight
 
     def values_since(self, ts: float, enough: int) -> int:
         """How many values (steady or not) are stamped at or after ts, counting up to `enough`."""
@@ -269,6 +270,7 @@ class CostModel:
         self.num_accept_changes_: int = 0  # acceptance histories replaced on a detected shift
         self.fitted_: Optional[dict[Config, "_TimeFit"]] = None
         self.cell_cv_: dict[tuple[Config, int], float] = {}  # robust step-time cv per cell, at refit
+        self.cell_n_: dict[tuple[Config, int], float] = {}  # values behind each cell's median, at refit
         self.step_cv_: Optional[float] = None
 
     def fit(self, samples: Iterable[Sample]) -> "CostModel":
@@ -399,12 +401,13 @@ class CostModel:
     # ------------------------------------------------------------------ fitting
 
     def refit(self) -> "CostModel":
-        self.cell_cv_ = {k: _robust_cv(values) for k, values in
-                         ((k, cell.settled()[0]) for k, cell in self.times_.items()) if len(values) >= MIN_SETTLED}
+        settled = {k: cell.settled() for k, cell in self.times_.items()}
+        f = self._now_factor()
+        self.cell_n_ = {k: min(float(len(values)), weight * f) for k, (values, weight) in settled.items()}
+        self.cell_cv_ = {k: _robust_cv(values) for k, (values, _) in settled.items() if len(values) >= MIN_SETTLED}
         self.step_cv_ = float(np.median(list(self.cell_cv_.values()))) if self.cell_cv_ else None
         by_config: dict[Config, list[tuple[int, float, float, float]]] = {}
-        for (c, b), cell in self.times_.items():
-            values, weight = cell.settled()
+        for (c, b), (values, weight) in settled.items():
             if values:
                 # the relative standard error of this cell's median; inf while the engine's noise
                 # is unknown, or while the cell has fewer than MIN_SETTLED values (one slow step
@@ -675,9 +678,7 @@ class CostModel:
         """(n, cv) behind the median of one (configuration, batch size) cell, as of the last refit:
         n its recent values, at most its decayed weight; cv the engine's pooled step-time noise, or
         the cell's own where larger (0 while neither is known)."""
-        values, weight = self.times_[key].settled()
-        return (min(float(len(values)), weight * self._now_factor()),
-                max(self.step_cv_ or 0.0, self.cell_cv_.get(key, 0.0)))
+        return self.cell_n_.get(key, 0.0), max(self.step_cv_ or 0.0, self.cell_cv_.get(key, 0.0))
 
     def accept_weight(self, c: Config) -> float:
         """Decayed number of requests behind tau(c) (for uncertainty reporting)."""
