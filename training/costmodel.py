@@ -360,7 +360,7 @@ class CostModel:
         # step time: the first steps after a switch pay for state changes; skip them (single
         # steps only: an interval-averaged sample has already diluted them)
         if s.weight > 1:
-            self._add_time(c, s.batch_size, w, s.step_ms, ts=s.ts)  # type: ignore[arg-type]
+            self._add_time(c, s.batch_size, w, s.step_ms, False, s.ts)  # type: ignore[arg-type]
             return
         key = (s.server, s.rank)
         prev = self.last_config_.get(key)
@@ -376,8 +376,7 @@ class CostModel:
             self.num_warmup_dropped_ += 1
         self._add_time(c, s.batch_size, w, s.step_ms, warm, s.ts)  # type: ignore[arg-type]
 
-    def _add_time(self, c: Config, batch_size: int, w: float, step_ms: float, warm: bool = False,
-                  ts: float = 0.0) -> None:
+    def _add_time(self, c: Config, batch_size: int, w: float, step_ms: float, warm: bool, ts: float) -> None:
         b = min(batch_size, self.max_batch)
         cell = self.times_.get((c, b))
         if cell is None:
