@@ -430,7 +430,8 @@ class ControllerService:
         extra = []
         measured = {c: self.model.measured_batches(c) for c in upper}
         for lo, hi in regions(top):
-            chosen = {b: table.lookup(b) for b in range(lo, hi + 1) if b <= top}
+            end = min(hi, top)  # the region seen so far
+            chosen = {b: table.lookup(b) for b in range(lo, end + 1)}
             for c in upper:
                 if (lo, c) in have or c in chosen.values():
                     continue
@@ -438,7 +439,7 @@ class ControllerService:
                 # interpolation, and the exploration rows of unmeasured regions cover it
                 open_ = any(trust[c][b - 1] and chosen[b] in trust and trust[chosen[b]][b - 1]
                             and upper[c][b - 1] >= lower[chosen[b]][b - 1]
-                            for b in measured[c] if lo <= b <= min(hi, top))
+                            for b in measured[c] if lo <= b <= end)
                 if open_ and self.model.values_since(c, lo, hi, since, REFRESH_VALUES) < REFRESH_VALUES:
                     extra.append(Row(lo, hi, c))
         if not extra:
