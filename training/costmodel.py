@@ -615,13 +615,6 @@ class CostModel:
         within = var_req * float(q[0]) / (y0 * y0)
         return max(between, within)
 
-    def step_ms_rel_se(self, c: Config, batch_sizes: Sequence[int] | np.ndarray, *,
-                       thin_only: bool = False) -> np.ndarray:
-        """Relative standard error of the predicted step time of c at each batch size
-        (`step_ms_errors`'s first part; `thin_only`: its second)."""
-        se, thin = self.step_ms_errors(c, batch_sizes)
-        return thin if thin_only else se
-
     def step_ms_errors(self, c: Config, batch_sizes: Sequence[int] | np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(relative standard error of the predicted step time of c, its thin part) at each batch size.
 

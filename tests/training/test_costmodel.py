@@ -132,14 +132,14 @@ def test_the_thin_part_of_the_step_time_error_is_that_of_batch_sizes_with_few_va
             for i, b in enumerate([4, 8] * 200)]
     rows += [Sample(ts=5.0, config=S3, batch_size=8, step_ms=9.0)]  # one exploring step
     m = CostModel().fit(rows)
-    assert np.all(m.step_ms_rel_se(OFF, [4, 6, 8], thin_only=True) == 0.0)
-    thin = m.step_ms_rel_se(S3, [8, 16], thin_only=True)
+    assert np.all(m.step_ms_errors(OFF, [4, 6, 8])[1] == 0.0)
+    thin = m.step_ms_errors(S3, [8, 16])[1]
     # one value: 1.25 cv, cv the engine's (pooled over cells)
     np.testing.assert_allclose(thin, 1.25 * m.step_time_cv(), rtol=1e-9)
-    assert np.all(m.step_ms_rel_se(S3, [8], thin_only=False) >= thin[0])
+    assert np.all(m.step_ms_errors(S3, [8])[0] >= thin[0])
     # the first two steps after a switch are warm-up: three settled values take five more steps
     m.partial_fit([Sample(ts=5.1 + 0.01 * i, config=S3, batch_size=8, step_ms=9.0) for i in range(5)])
-    assert m.step_ms_rel_se(S3, [8], thin_only=True)[0] == 0.0
+    assert m.step_ms_errors(S3, [8])[1][0] == 0.0
 
 
 def test_recent_traffic_dominates():
@@ -360,7 +360,7 @@ def test_step_time_standard_error_counts_noise_gaps_and_extrapolation():
     rows = [Sample(ts=i * 0.01, config=OFF, batch_size=sizes[i % 5],
                    step_ms=(5.0 + 0.25 * sizes[i % 5]) * (1 + 0.02 * rng.standard_normal())) for i in range(500)]
     m = CostModel(warmup_steps=0).fit(rows)
-    se = m.step_ms_rel_se(OFF, [8, 12, 64])
+    se = m.step_ms_errors(OFF, [8, 12, 64])[0]
     assert m.step_time_cv() == pytest.approx(0.02, rel=0.3)
     assert se[0] == pytest.approx(1.25 * 0.02 / np.sqrt(RING), rel=0.35)  # the median of RING recent values
     assert se[1] > (9.0 - 7.0) / 8.0 / np.sqrt(12) * 0.95  # 12 is anywhere between the measured 7 and 9 ms
@@ -368,7 +368,7 @@ def test_step_time_standard_error_counts_noise_gaps_and_extrapolation():
     # a batch size noisier than the engine's usual counts with its own scatter
     m.partial_fit([Sample(ts=10 + i * 0.01, config=OFF, batch_size=24, step_ms=11.0 * (1 + 0.2 * rng.standard_normal()))
                    for i in range(RING)])
-    assert m.step_ms_rel_se(OFF, [24])[0] > 4 * m.step_ms_rel_se(OFF, [8])[0]
+    assert m.step_ms_errors(OFF, [24])[0][0] > 4 * m.step_ms_errors(OFF, [8])[0][0]
 
 
 def test_state_round_trip_keeps_the_acceptance_uncertainty():
@@ -392,7 +392,6 @@ def test_step_time_standard_error_is_never_nan_beside_a_cell_with_no_weight_left
     m = CostModel().set_state(state).refit()
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        se = m.step_ms_rel_se(OFF, [4, 6, 8])
-        thin = m.step_ms_rel_se(OFF, [4, 6, 8], thin_only=True)
+        se, thin = m.step_ms_errors(OFF, [4, 6, 8])
     assert np.isfinite(se[0]) and se[0] > 0 and np.isinf(se[1:]).all()
     assert thin[0] == 0.0 and np.isinf(thin[1:]).all()
