@@ -410,6 +410,9 @@ MOCK = textwrap.dedent('''
                 self.send_response(200); self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(o))); self.end_headers(); self.wfile.write(o)
         time.sleep(3600 if FAULT == "nohealth" else 1)
+        # a listen backlog like a real server's: the stdlib default of 5 resets connections when
+        # 32 clients connect at once on a loaded 2-core machine
+        ThreadingHTTPServer.request_queue_size = 128
         ThreadingHTTPServer(("127.0.0.1", port), H).serve_forever()
 ''')
 
