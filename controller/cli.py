@@ -111,6 +111,10 @@ def main(log_level: str) -> None:
                    "'0,1,1 3,1,4' (default: those seen in telemetry). See `specctl sglang-args`.")
 @click.option("--explore-period", default=64, show_default=True, type=int,
               help="One exploring step in N where a configuration lacks data (0 = never; >= 50).")
+@click.option("--challenge-period", default=16, show_default=True, type=int,
+              help="One step in N runs a configuration that looks better than the table's choice by less "
+                   "than --switch-z standard errors, until that is settled; only on engines whose step "
+                   "times are steady enough (0 = never; >= 8).")
 @click.option("--metrics-port", type=int, help="Serve Prometheus /metrics on this port.")
 @click.option("--metrics-host", default="127.0.0.1", show_default=True)
 @click.option("--init-policy", type=click.Path(exists=True, dir_okay=False),
@@ -127,7 +131,7 @@ def main(log_level: str) -> None:
                    "(counted as shed) instead of back-pressuring the senders.")
 def serve(telemetry, publish, status_ep, state_dir, refit_interval, heartbeat, half_life,
           accept_half_life, accept_change_z, explore_decided_z, refresh_s, switch_z, max_margin, mode,
-          threshold, fixed_config, configs, explore_period, metrics_port, metrics_host, init_policy,
+          threshold, fixed_config, configs, explore_period, challenge_period, metrics_port, metrics_host, init_policy,
           record, record_max_mb, curve_secret_key, curve_allowed_dir, insecure,
           shed_when_behind) -> None:
     """Run the sidecar daemon: ingest telemetry, fit, publish the policy."""
@@ -147,7 +151,7 @@ def serve(telemetry, publish, status_ep, state_dir, refit_interval, heartbeat, h
                                        accept_change_z=accept_change_z, explore_decided_z=explore_decided_z,
                                        refresh_s=refresh_s, switch_z=switch_z, max_margin=max_margin,
                                        candidates=configs,
-                                       explore_period=explore_period)
+                                       explore_period=explore_period, challenge_period=challenge_period)
     except ValueError as e:
         raise click.UsageError(str(e)) from None
     store = StateStore(state_dir or _settings.state_base(env))

@@ -16,7 +16,7 @@ import numpy as np
 from ..policies import costmodel as cmpolicy
 from ..policies.fixed import DEFAULT_CONFIG, DEFAULT_THRESHOLD, fixed_threshold, static
 from ..policies.table import OFF, Config, PolicyTable, Row, config_name, config_to_obj
-from ..training.costmodel import CostModel, Sample, regions
+from ..training.costmodel import FRESH_WARM, CostModel, Sample, regions
 from . import wire
 from .metrics import Metrics
 from .state import StateStore
@@ -68,6 +68,9 @@ class ServiceSettings:
     switch_z: float = 2.0
     max_margin: float = cmpolicy.DEFAULT_MAX_MARGIN  # the cap on that tolerance
     explore_period: int = cmpolicy.DEFAULT_EXPLORE_PERIOD
+    # a configuration that looks better than the table's choice, by less than the tolerance, is
+    # measured on one step in this many (0 = never; see ControllerService._challenge_rows)
+    challenge_period: int = 16
     min_region_samples: float = 16.0
     max_batch: int = 1024
     persist_model_s: float = 30.0
@@ -85,6 +88,8 @@ class ServiceSettings:
             raise ValueError("switch_z must be >= 0, margin and max_margin in [0, 1]")
         if self.explore_period and self.explore_period < 50:
             raise ValueError("explore_period below 50 would explore more than 2% of steps")
+        if self.challenge_period and self.challenge_period < 8:
+            raise ValueError("challenge_period below 8 would spend more than one step in 8 on challengers")
         if self.candidates is not None and tuple(self.fixed_config) not in {tuple(c) for c in self.candidates}:
             names = ", ".join(config_name(c) for c in sorted(self.candidates))
             raise ValueError(f"the fallback configuration {config_name(self.fixed_config)} is not among the "
@@ -301,8 +306,11 @@ class ControllerService:
             explore = self._without_decided(explore, derived, options)
             explore = self._with_acceptance_probes(explore, derived, options)
             explore = self._with_refresh_rows(explore, derived, options)
+            challenge = self._challenge_rows(derived, options)
             table = PolicyTable(rows=derived.rows, explore=explore,
-                                explore_period=self.settings.explore_period if explore else 0)
+                                explore_period=self.settings.explore_period if explore else 0,
+                                challenge=challenge,
+                                challenge_period=self.settings.challenge_period if challenge else 0)
             source = "online"
         elif self.policy.source == "online":
             # A learned table outlives a thin window (e.g. right after a restart): keep it
@@ -313,7 +321,7 @@ class ControllerService:
                                 explore_period=self.settings.explore_period if explore else 0)
             source = self.policy.source
         changed = (table.rows != current.rows or table.explore != current.explore
-                   or source != self.policy.source)
+                   or table.challenge != current.challenge or source != self.policy.source)
         self.num_refits += 1
         self.metrics.refits.inc()
         if changed:
@@ -331,6 +339,47 @@ class ControllerService:
         self.last_refit_ms = (time.perf_counter() - t0) * 1000.0
         self.metrics.refit_seconds.observe(self.last_refit_ms / 1000.0)
         return changed
+
+    def _challenge_rows(self, table: PolicyTable, options: list[cmpolicy.Option]) -> tuple[Row, ...]:
+        """Where a configuration predicts a better goodput than the table's choice, by more than
+        `margin`, at a batch size where both have step times of their own, the table keeps the
+        choice only because the difference is within the tolerance (`switch_z` standard errors,
+        capped at `max_margin`). Measuring the challenger more often settles it sooner: its
+        acceptance, measured only on its exploring steps, is what keeps that tolerance wide at
+        small batches, and it stops narrowing once the acceptance window (about 23 s) is full.
+        So the challenger gets one step in `challenge_period` in that region until it wins or
+        stops looking better.
+
+        Only on an engine whose step times are steady enough: challenging steps come after a
+        switch, FRESH_WARM of them stand for the cell (CostModel's _TimeCell), and their median
+        must be within the tolerance cap at `switch_z` (step-time noise cv up to 0.08 with the
+        defaults). On the measured 135M base profile (cv 0.32) it was not: a median of 16
+        challenging steps 10% off switched the table on noise (docs/benchmarks.md, "Session
+        9")."""
+        period = self.settings.challenge_period
+        top = self.model.max_observed_batch()
+        cv = self.model.step_time_cv()
+        if period <= 0 or top <= 0 or cv is None or len(options) < 2:
+            return ()
+        if self.settings.switch_z * 1.25 * cv / np.sqrt(FRESH_WARM) > self.settings.max_margin:
+            return ()
+        goodput = {o.config: o.goodput() for o in options}
+        trust = {o.config: o.trust() for o in options}
+        measured = {c: set(self.model.measured_batches(c)) for c in goodput}
+        lead = 1.0 + self.settings.margin
+        out = []
+        for lo, hi in regions(top):
+            for c in goodput:
+                for b in sorted(measured[c]):
+                    if not lo <= b <= min(hi, top):
+                        continue
+                    chosen = table.lookup(b)
+                    if (chosen != c and chosen in goodput and b in measured[chosen]
+                            and trust[c][b - 1] and trust[chosen][b - 1]
+                            and goodput[c][b - 1] > lead * goodput[chosen][b - 1]):
+                        out.append(Row(lo, hi, c))
+                        break
+        return tuple(out[:MAX_EXPLORE_ROWS])
 
     def _explore_rows(self) -> tuple[Row, ...]:
         if self.settings.explore_period <= 0 or self.settings.mode != "online":
@@ -521,6 +570,10 @@ class ControllerService:
             obj["explore"] = [{"min_batch": r.min_batch, "max_batch": r.max_batch,
                                "config": config_to_obj(r.config)} for r in table.explore]
             obj["explore_period"] = table.explore_period
+        if table.challenge:
+            obj["challenge"] = [{"min_batch": r.min_batch, "max_batch": r.max_batch,
+                                 "config": config_to_obj(r.config)} for r in table.challenge]
+            obj["challenge_period"] = table.challenge_period
         return wire.policy_from_obj(obj)
 
     def _persist_policy(self) -> None:

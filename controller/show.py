@@ -71,6 +71,11 @@ def render(policy: wire.PolicyRecord, *, now: Optional[float] = None) -> str:
                        for r in policy.explore[:12])
         more = f" (+{len(policy.explore) - 12} more)" if len(policy.explore) > 12 else ""
         lines.append(f"exploring 1 step in {policy.explore_period}: {ex}{more}")
+    if policy.challenge:
+        ch = ", ".join(f"{r.config.name}@{r.min_batch}-{r.max_batch if r.max_batch else '+'}"
+                       for r in policy.challenge[:12])
+        more = f" (+{len(policy.challenge) - 12} more)" if len(policy.challenge) > 12 else ""
+        lines.append(f"challenging 1 step in {policy.challenge_period}: {ch}{more}")
     cfgs = m.get("configs") or {}
     if cfgs:
         parts = []

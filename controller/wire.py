@@ -187,6 +187,9 @@ class PolicyRecord(_Versioned):
 
     `explore` (optional) lists batch-size ranges where a configuration lacks data; the engine
     uses it on one step in `explore_period`, chosen by its step counter (same on every TP rank).
+    `challenge` (optional) lists ranges where a configuration looks better than the table's
+    choice by less than the daemon can tell from noise; the engine uses it on one step in
+    `challenge_period` (those steps the exploration rows leave).
     """
 
     kind: Literal["policy"] = "policy"
@@ -197,6 +200,8 @@ class PolicyRecord(_Versioned):
     model: dict[str, Any] = Field(default_factory=dict)
     explore: Optional[list[TableEntry]] = Field(default=None, max_length=MAX_TABLE_ROWS)
     explore_period: Optional[int] = Field(default=None, ge=50)
+    challenge: Optional[list[TableEntry]] = Field(default=None, max_length=MAX_TABLE_ROWS)
+    challenge_period: Optional[int] = Field(default=None, ge=8)
 
     @model_validator(mode="after")
     def _covers(self) -> "PolicyRecord":
@@ -205,7 +210,7 @@ class PolicyRecord(_Versioned):
 
     def configs(self) -> list[SpecConfig]:
         seen: dict[tuple[int, int, int], SpecConfig] = {}
-        for row in list(self.table) + list(self.explore or []):
+        for row in list(self.table) + list(self.explore or []) + list(self.challenge or []):
             seen.setdefault(row.config.key, row.config)
         return list(seen.values())
 

@@ -45,12 +45,17 @@ class PolicyTable:
 
     `explore` rows name (range, config) pairs the controller wants measured; `decide` uses one of
     them on the steps where `step_counter % explore_period == 0`, so every TP rank, counting the
-    same steps, makes the same choice with no random draw.
+    same steps, makes the same choice with no random draw. `challenge` rows (a configuration
+    that looks better than the table's choice in a range, by less than the controller can tell
+    from noise) are used likewise on the other steps where `step_counter % challenge_period ==
+    0`.
     """
 
     rows: tuple[Row, ...]
     explore: tuple[Row, ...] = ()
     explore_period: int = 0
+    challenge: tuple[Row, ...] = ()
+    challenge_period: int = 0
     version: int = 0
     source: str = "fixed"
     _starts: tuple[int, ...] = field(default=(), repr=False, compare=False)
@@ -73,12 +78,15 @@ class PolicyTable:
                 config_from_obj(r["config"]))
             for r in obj["table"]
         )
-        explore = tuple(
-            Row(int(r["min_batch"]), None if r.get("max_batch") is None else int(r["max_batch"]),
-                config_from_obj(r["config"]))
-            for r in (obj.get("explore") or ())
-        )
-        return cls(rows=rows, explore=explore, explore_period=int(obj.get("explore_period") or 0),
+        def _rows(key: str) -> tuple[Row, ...]:
+            return tuple(
+                Row(int(r["min_batch"]), None if r.get("max_batch") is None else int(r["max_batch"]),
+                    config_from_obj(r["config"]))
+                for r in (obj.get(key) or ())
+            )
+
+        return cls(rows=rows, explore=_rows("explore"), explore_period=int(obj.get("explore_period") or 0),
+                   challenge=_rows("challenge"), challenge_period=int(obj.get("challenge_period") or 0),
                    version=int(obj.get("version", 0)), source=str(obj.get("source", "file")))
 
     def lookup(self, batch_size: int) -> Config:
@@ -91,11 +99,15 @@ class PolicyTable:
             if hits:
                 # rotate through the candidates of this batch size, one per exploring step
                 return hits[(step_counter // self.explore_period) % len(hits)].config
+        if self.challenge and self.challenge_period > 0 and step_counter % self.challenge_period == 0:
+            hits = [r for r in self.challenge if _in(r, batch_size)]
+            if hits:
+                return hits[(step_counter // self.challenge_period) % len(hits)].config
         return self.lookup(batch_size)
 
     def configs(self) -> list[Config]:
         out: list[Config] = []
-        for r in self.rows + self.explore:
+        for r in self.rows + self.explore + self.challenge:
             if r.config not in out:
                 out.append(r.config)
         return out

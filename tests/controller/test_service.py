@@ -433,13 +433,13 @@ def test_a_fallback_the_engines_have_no_state_for_is_refused_up_front():
     ServiceSettings(candidates=((0, 1, 1), (2, 4, 16)), fixed_config=(2, 4, 16))
 
 
-def _closed_loop(svc, clock, seconds, step_ms, tau, seed, batch=4, start_ms=None, start_steps=0):
+def _closed_loop(svc, clock, seconds, step_ms, tau, seed, batch=4, start_ms=None, start_steps=0, cv=0.3):
     """An engine at a fixed batch size following the service's table (exploring steps
-    included), its step times lognormal around `step_ms[config]` (cv 0.3), the service ticking
+    included), its step times lognormal around `step_ms[config]` (cv `cv`), the service ticking
     every second of its clock. The first `start_steps` steps run plain decode at `start_ms`
     (the engine was slower then). Returns the configuration run at each step."""
     rng = np.random.default_rng(seed)
-    sigma = np.sqrt(np.log1p(0.3 ** 2))
+    sigma = np.sqrt(np.log1p(cv ** 2))
     ran, next_tick, end, i = [], clock.t + 1.0, clock.t + seconds, 0
     while clock.t < end:
         if i < start_steps:
@@ -517,3 +517,41 @@ def test_a_left_configuration_is_measured_again_only_where_its_own_values_leave_
     assert table(svc).lookup(40) == (0, 1, 1)
     rows = {(r.min_batch, r.config.key) for r in (svc.policy.explore or [])}
     assert ((32, (3, 1, 4)) in rows) == row, rows
+
+
+@pytest.mark.parametrize("cv, seed, accepted, period, table_at_4, challenged", [
+    (0.05, 0, [1, 1, 1, 0], 16, "off", True),   # s1 4% ahead on 4 acceptances a second: held, challenged
+    (0.05, 0, [1, 1, 1, 0], 0, "off", False),   # challenging switched off
+    # held alike (on this seed), but a median of FRESH_WARM steps would be ~10% off: no
+    (0.30, 3, [1, 1, 1, 0], 16, "off", False),
+    (0.05, 0, [1, 1, 0, 0], 16, "off", False),  # s1 10% behind: nothing to challenge
+    (0.05, 0, [1, 1, 1, 1], 16, "s1", False),   # s1 19% ahead: it simply wins
+])
+def test_a_configuration_held_back_by_the_tolerance_is_challenged(cv, seed, accepted, period, table_at_4,
+                                                                  challenged):
+    """Plain decode runs at batch 4 (25 ms) and s1 (42 ms) is measured once a second, as
+    exploring steps measure it on a slow engine. At first s1 accepts 2 drafts of 4 and the table
+    takes plain decode; then 3 of 4: s1 leads by 4%, within the tolerance its thin acceptance
+    leaves (capped at 5%). The table keeps plain decode, and s1 gets one step in
+    `challenge_period` at 4-7 until that is settled."""
+    off, s1 = (0, 1, 1), (1, 1, 2)
+    clock = Clock()
+    svc = ControllerService(ServiceSettings(refit_interval_s=1, candidates=(off, s1), fixed_config=s1,
+                                            threshold=1, challenge_period=period), clock=clock)
+    assert ServiceSettings().challenge_period == 16
+    rng = np.random.default_rng(seed)
+    sigma = np.sqrt(np.log1p(cv ** 2))
+    for second in range(80):
+        for i in range(40):
+            c, ms = (s1, 42.0) if i == 0 else (off, 25.0)
+            ms *= rng.lognormal(-0.5 * sigma * sigma, sigma)
+            acc = ([1, 1, 0, 0] if second < 20 else accepted) if c == s1 else None
+            assert svc.observe_frame(_step(clock, c, 4, round(ms, 4), acc))
+            clock.t += ms / 1000.0
+        svc.tick()
+        if second == 19:
+            assert table(svc).lookup(4) == off
+    assert table(svc).lookup(4) == {"off": off, "s1": s1}[table_at_4]
+    rows = [(r.min_batch, r.max_batch, r.config.key) for r in (svc.policy.challenge or [])]
+    assert rows == ([(4, 7, s1)] if challenged else [])
+    assert svc.policy.challenge_period == (16 if challenged else None)

@@ -41,6 +41,19 @@ def test_design_examples_round_trip():
     assert wire.decode(wire.encode(pol)) == pol
 
 
+def test_a_policy_with_exploring_and_challenging_rows_round_trips():
+    rows = [{"min_batch": 8, "max_batch": 15, "config": {"steps": 1, "topk": 1, "draft_tokens": 2}}]
+    frame = _with(POLICY, explore=rows, explore_period=64, challenge=rows, challenge_period=16)
+    pol = wire.decode(frame)
+    assert pol.challenge_period == 16 and pol.challenge[0].config.key == (1, 1, 2)
+    assert wire.decode(wire.encode(pol)) == pol
+    assert [c.key for c in pol.configs()] == [(3, 1, 4), (0, 1, 1), (1, 1, 2)]
+    # the engines' table reads them back
+    from specctl.policies.table import PolicyTable
+    t = PolicyTable.from_policy_obj(wire.to_obj(pol))
+    assert (t.challenge_period, [r.config for r in t.challenge]) == (16, [(1, 1, 2)])
+
+
 def test_plain_decode_step_may_omit_accepted():
     rec = wire.decode(_with(STEP, config={"steps": 0, "topk": 1, "draft_tokens": 1}, accepted=_DROP))
     assert rec.config.is_off and rec.accepted is None
@@ -88,6 +101,8 @@ def test_hot_path_encoder_matches_model_encoder():
                           {"min_batch": 6, "config": {"steps": 0, "topk": 1, "draft_tokens": 1}}]),
      "bad_value", "expected 5"),
     (_with(POLICY, source="guess"), "bad_value", "source"),
+    (_with(POLICY, explore_period=10), "bad_value", "explore_period"),
+    (_with(POLICY, challenge_period=4), "bad_value", "challenge_period"),
     (b"x" * (wire.MAX_FRAME_BYTES + 1), "too_large", "exceeds"),
 ])
 def test_rejections_name_the_problem(frame, reason, needle):

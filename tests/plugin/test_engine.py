@@ -19,7 +19,8 @@ class Clock:
         return self.t
 
 
-def policy_frame(version: int, rows, *, explore=None, explore_period=None, source="online") -> bytes:
+def policy_frame(version: int, rows, *, explore=None, explore_period=None, source="online",
+                 challenge=None, challenge_period=None) -> bytes:
     obj = {"kind": "policy", "schema": 1, "version": version, "created_at": 1.0, "source": source,
            "table": [{"min_batch": a, "max_batch": b,
                       "config": {"steps": s, "topk": 1, "draft_tokens": s + 1 if s else 1}}
@@ -29,6 +30,11 @@ def policy_frame(version: int, rows, *, explore=None, explore_period=None, sourc
                            "config": {"steps": s, "topk": 1, "draft_tokens": s + 1 if s else 1}}
                           for a, b, s in explore]
         obj["explore_period"] = explore_period
+    if challenge:
+        obj["challenge"] = [{"min_batch": a, "max_batch": b,
+                             "config": {"steps": s, "topk": 1, "draft_tokens": s + 1 if s else 1}}
+                            for a, b, s in challenge]
+        obj["challenge_period"] = challenge_period
     return json.dumps(obj).encode()
 
 
@@ -114,6 +120,25 @@ def test_exploration_rows_follow_the_step_counter():
     got = [eng.decide(8) for _ in range(151)]
     assert got[0] == 1 and got[50] == 3 and got[100] == 1
     assert set(got[1:50]) == {0}
+
+
+def test_challenging_rows_take_the_steps_exploring_leaves():
+    eng = make()
+    eng.offer_policy_frame(policy_frame(1, [(1, None, 0)], explore=[(1, 16, 3)], explore_period=50,
+                                        challenge=[(1, 16, 1)], challenge_period=16))
+    run_results(eng, 4)
+    got = [eng.decide(8) for _ in range(101)]
+    assert (got[0], got[16], got[32], got[48], got[50], got[64], got[100]) == (3, 1, 1, 1, 3, 1, 3)
+    assert got.count(1) == 6 and got.count(3) == 3 and got[1:16] == [0] * 15
+    assert [eng.decide(20) for _ in range(16)][0] == 0  # 20 is outside both: the table
+
+
+def test_a_challenger_without_runtime_state_falls_back():
+    eng = make(candidates=(0, 3))
+    eng.offer_policy_frame(policy_frame(2, [(1, None, 0)], challenge=[(1, 16, 1)], challenge_period=16))
+    run_results(eng, 4)
+    assert eng.active_source == "fallback"
+    assert "steps=1" in eng.fallback_reason and "no runtime state" in eng.fallback_reason
 
 
 def test_internal_error_falls_back_for_good():
