@@ -15,7 +15,7 @@ import numpy as np
 
 from ..policies import costmodel as cmpolicy
 from ..policies.fixed import DEFAULT_CONFIG, DEFAULT_THRESHOLD, fixed_threshold, static
-from ..policies.table import OFF, Config, PolicyTable, Row, config_name, config_to_obj
+from ..policies.table import OFF, Config, PolicyTable, Row, config_name, rows_to_obj
 from ..training.costmodel import FRESH_WARM, CostModel, Sample, regions
 from . import wire
 from .metrics import Metrics
@@ -567,12 +567,10 @@ class ControllerService:
             "model": self._model_summary(options or [], table) if hasattr(self, "model") else {},
         }
         if table.explore:
-            obj["explore"] = [{"min_batch": r.min_batch, "max_batch": r.max_batch,
-                               "config": config_to_obj(r.config)} for r in table.explore]
+            obj["explore"] = rows_to_obj(table.explore)
             obj["explore_period"] = table.explore_period
         if table.challenge:
-            obj["challenge"] = [{"min_batch": r.min_batch, "max_batch": r.max_batch,
-                                 "config": config_to_obj(r.config)} for r in table.challenge]
+            obj["challenge"] = rows_to_obj(table.challenge)
             obj["challenge_period"] = table.challenge_period
         return wire.policy_from_obj(obj)
 

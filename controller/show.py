@@ -67,15 +67,9 @@ def render(policy: wire.PolicyRecord, *, now: Optional[float] = None) -> str:
     if names:
         lines.append("(goodput predicted at each range's midpoint; * = chosen)")
     if policy.explore:
-        ex = ", ".join(f"{r.config.name}@{r.min_batch}-{r.max_batch if r.max_batch else '+'}"
-                       for r in policy.explore[:12])
-        more = f" (+{len(policy.explore) - 12} more)" if len(policy.explore) > 12 else ""
-        lines.append(f"exploring 1 step in {policy.explore_period}: {ex}{more}")
+        lines.append(f"exploring 1 step in {policy.explore_period}: {_ranges(policy.explore)}")
     if policy.challenge:
-        ch = ", ".join(f"{r.config.name}@{r.min_batch}-{r.max_batch if r.max_batch else '+'}"
-                       for r in policy.challenge[:12])
-        more = f" (+{len(policy.challenge) - 12} more)" if len(policy.challenge) > 12 else ""
-        lines.append(f"challenging 1 step in {policy.challenge_period}: {ch}{more}")
+        lines.append(f"challenging 1 step in {policy.challenge_period}: {_ranges(policy.challenge)}")
     cfgs = m.get("configs") or {}
     if cfgs:
         parts = []
@@ -89,6 +83,11 @@ def render(policy: wire.PolicyRecord, *, now: Optional[float] = None) -> str:
         lines.append("fit error (median rel.): " + ", ".join(
             f"{k} {v:.1%}" for k, v in sorted(m["fit_error"].items(), key=lambda kv: _order(kv[0]))))
     return "\n".join(lines)
+
+
+def _ranges(rows: list[wire.TableEntry], most: int = 12) -> str:
+    text = ", ".join(f"{r.config.name}@{r.min_batch}-{r.max_batch if r.max_batch else '+'}" for r in rows[:most])
+    return text + (f" (+{len(rows) - most} more)" if len(rows) > most else "")
 
 
 def _order(name: str) -> tuple[int, str]:

@@ -39,6 +39,17 @@ class Row:
     config: Config
 
 
+def rows_from_obj(items: Iterable[Mapping[str, Any]]) -> tuple[Row, ...]:
+    """Rows from their DESIGN.md JSON form (`min_batch`, `max_batch` or null, `config`)."""
+    return tuple(Row(int(r["min_batch"]), None if r.get("max_batch") is None else int(r["max_batch"]),
+                     config_from_obj(r["config"])) for r in items)
+
+
+def rows_to_obj(rows: Iterable[Row]) -> list[dict[str, Any]]:
+    return [{"min_batch": r.min_batch, "max_batch": r.max_batch, "config": config_to_obj(r.config)}
+            for r in rows]
+
+
 @dataclass(frozen=True)
 class PolicyTable:
     """Sorted, gap-free rows from batch 1 up; the last row is open-ended.
@@ -73,20 +84,10 @@ class PolicyTable:
     @classmethod
     def from_policy_obj(cls, obj: Mapping[str, Any]) -> "PolicyTable":
         """From the DESIGN.md policy JSON (already parsed into dicts)."""
-        rows = tuple(
-            Row(int(r["min_batch"]), None if r.get("max_batch") is None else int(r["max_batch"]),
-                config_from_obj(r["config"]))
-            for r in obj["table"]
-        )
-        def _rows(key: str) -> tuple[Row, ...]:
-            return tuple(
-                Row(int(r["min_batch"]), None if r.get("max_batch") is None else int(r["max_batch"]),
-                    config_from_obj(r["config"]))
-                for r in (obj.get(key) or ())
-            )
-
-        return cls(rows=rows, explore=_rows("explore"), explore_period=int(obj.get("explore_period") or 0),
-                   challenge=_rows("challenge"), challenge_period=int(obj.get("challenge_period") or 0),
+        return cls(rows=rows_from_obj(obj["table"]), explore=rows_from_obj(obj.get("explore") or ()),
+                   explore_period=int(obj.get("explore_period") or 0),
+                   challenge=rows_from_obj(obj.get("challenge") or ()),
+                   challenge_period=int(obj.get("challenge_period") or 0),
                    version=int(obj.get("version", 0)), source=str(obj.get("source", "file")))
 
     def lookup(self, batch_size: int) -> Config:
@@ -113,8 +114,7 @@ class PolicyTable:
         return out
 
     def to_rows_obj(self) -> list[dict[str, Any]]:
-        return [{"min_batch": r.min_batch, "max_batch": r.max_batch, "config": config_to_obj(r.config)}
-                for r in self.rows]
+        return rows_to_obj(self.rows)
 
     def boundaries(self) -> list[tuple[int, Config, Config]]:
         """(first batch of the new row, config before, config after) for each change."""
