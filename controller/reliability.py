@@ -724,6 +724,10 @@ POLICY_BASES: list[dict[str, Any]] = [
      "table": [{"min_batch": 1, "max_batch": None, "config": {"steps": 1, "topk": 1, "draft_tokens": 2}}],
      "explore": [{"min_batch": 1, "max_batch": 8, "config": {"steps": 3, "topk": 1, "draft_tokens": 4}}],
      "explore_period": 64},
+    {"kind": "policy", "schema": 1, "version": 9, "created_at": 6.0, "source": "online",
+     "table": [{"min_batch": 1, "max_batch": None, "config": {"steps": 0, "topk": 1, "draft_tokens": 1}}],
+     "challenge": [{"min_batch": 4, "max_batch": 7, "config": {"steps": 1, "topk": 1, "draft_tokens": 2}}],
+     "challenge_period": 16},
 ]
 BENCH_BASE: dict[str, Any] = {
     "backend": "sglang", "dataset_name": "random", "request_rate": float("inf"), "max_concurrency": 16,
@@ -999,21 +1003,31 @@ def fuzz_wire(num_cases: int = 10_000, seed: int = 0) -> dict[str, Any]:
 
 
 def _policy_table_frames(st: Any) -> Any:
-    """Valid-looking policies whose rows may name step counts with no runtime state."""
+    """Valid-looking policies whose rows, exploration rows or challenge rows may name step counts
+    with no runtime state."""
 
     @st.composite
     def frames(draw: Any) -> bytes:
-        n = draw(st.integers(1, 6))
-        rows, lo = [], 1
-        for i in range(n):
+        def config() -> dict[str, int]:
             steps = draw(st.integers(0, 8))
             topk = 1 if steps == 0 else draw(st.sampled_from([1, 1, 1, 2]))
             dt = 1 if steps == 0 else (steps + 1 if topk == 1 else draw(st.integers(steps + 1, 16)))
+            return {"steps": steps, "topk": topk, "draft_tokens": dt}
+
+        n = draw(st.integers(1, 6))
+        rows, lo = [], 1
+        for i in range(n):
             hi = None if i == n - 1 else lo + draw(st.integers(0, 40))
-            rows.append({"min_batch": lo, "max_batch": hi, "config": {"steps": steps, "topk": topk, "draft_tokens": dt}})
+            rows.append({"min_batch": lo, "max_batch": hi, "config": config()})
             lo = (hi or 0) + 1
-        return json.dumps({"kind": "policy", "schema": 1, "version": draw(st.integers(0, 10 ** 6)),
-                           "created_at": 1.0, "source": "online", "table": rows}).encode()
+        obj = {"kind": "policy", "schema": 1, "version": draw(st.integers(0, 10 ** 6)),
+               "created_at": 1.0, "source": "online", "table": rows}
+        for key, period in (("explore", 64), ("challenge", 16)):
+            if draw(st.booleans()):
+                a = draw(st.integers(1, 64))
+                obj[key] = [{"min_batch": a, "max_batch": a + draw(st.integers(0, 64)), "config": config()}]
+                obj[key + "_period"] = period
+        return json.dumps(obj).encode()
 
     return frames()
 
@@ -1021,8 +1035,8 @@ def _policy_table_frames(st: Any) -> Any:
 def fuzz_engine_policy(num_cases: int = 10_000, seed: int = 0) -> dict[str, Any]:
     """Policy frames into the engine (EngineController.offer_policy_frame + sync): whatever
     arrives, every decision names a step count the engine has a runtime state for; a table whose
-    rows or exploration rows name any other step count (or a tree) is refused and the engine
-    stays on its fallback."""
+    rows, exploration rows or challenge rows name any other step count (or a tree) is refused and
+    the engine stays on its fallback."""
     from hypothesis import strategies as st
 
     from ..plugin.engine import EngineController
@@ -1048,8 +1062,10 @@ def fuzz_engine_policy(num_cases: int = 10_000, seed: int = 0) -> dict[str, Any]
             rec = wire.decode_policy(frame)
         except wire.WireError as e:
             return e.reason
-        # exploring steps run their rows' configurations too: they need runtime states as well
-        names = {(r.config.steps, r.config.topk) for r in list(rec.table) + list(rec.explore or [])}
+        # exploring and challenging steps run their rows' configurations too: they need runtime
+        # states as well
+        names = {(r.config.steps, r.config.topk)
+                 for r in list(rec.table) + list(rec.explore or []) + list(rec.challenge or [])}
         runnable = all(s in candidates and (s == 0 or k == 1) for s, k in names)
         if eng.active_source == "fallback":
             if runnable:
