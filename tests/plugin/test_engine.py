@@ -130,7 +130,7 @@ def test_challenging_rows_take_the_steps_exploring_leaves():
     got = [eng.decide(8) for _ in range(101)]
     assert (got[0], got[16], got[32], got[48], got[50], got[64], got[100]) == (3, 1, 1, 1, 3, 1, 3)
     assert got.count(1) == 6 and got.count(3) == 3 and got[1:16] == [0] * 15
-    assert [eng.decide(20) for _ in range(16)][0] == 0  # 20 is outside both: the table
+    assert [eng.decide(20) for _ in range(16)] == [0] * 16  # outside both rows (step 112 included): the table
 
 
 def test_a_challenger_without_runtime_state_falls_back():
