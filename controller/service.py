@@ -16,7 +16,7 @@ import numpy as np
 from ..policies import costmodel as cmpolicy
 from ..policies.fixed import DEFAULT_CONFIG, DEFAULT_THRESHOLD, fixed_threshold, static
 from ..policies.table import OFF, Config, PolicyTable, Row, config_name, rows_to_obj
-from ..training.costmodel import FRESH_WARM, CostModel, Sample, regions
+from ..training.costmodel import FRESH_WARM, MEDIAN_SE, CostModel, Sample, regions
 from . import wire
 from .metrics import Metrics
 from .state import StateStore
@@ -361,7 +361,7 @@ class ControllerService:
         cv = self.model.step_time_cv()
         if period <= 0 or top <= 0 or cv is None or len(options) < 2:
             return ()
-        if self.settings.switch_z * 1.25 * cv / np.sqrt(FRESH_WARM) > self.settings.max_margin:
+        if self.settings.switch_z * MEDIAN_SE * cv / np.sqrt(FRESH_WARM) > self.settings.max_margin:
             return ()
         goodput = {o.config: o.goodput() for o in options}
         trust = {o.config: o.trust() for o in options}
@@ -421,7 +421,7 @@ class ControllerService:
             n = samples.get(c, {}).get(region, 0.0)
             if c not in goodput or n < 1.0 or not trust[c][b0]:
                 return None
-            return float(goodput[c][b0]) * (1.0 + sign * z * 1.25 * cv / np.sqrt(n))
+            return float(goodput[c][b0]) * (1.0 + sign * z * MEDIAN_SE * cv / np.sqrt(n))
 
         keep = []
         for r in rows:

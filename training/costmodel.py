@@ -23,6 +23,8 @@ OFF: Config = (0, 1, 1)
 RING = 64  # recent step times kept per (config, batch size) for the robust median
 PRIOR_REQUESTS = 32.0  # pseudo-requests behind the trend prior of a deeper chain position
 MIN_SETTLED = 3  # steady-state values needed before post-switch ones are ignored
+# the median of n values with noise cv is off by about MEDIAN_SE * cv / sqrt(n) (sqrt(pi / 2))
+MEDIAN_SE = 1.25
 # post-switch values newer than every steady one that replace the steady values (see _TimeCell)
 FRESH_WARM = 16
 # a batch size whose median is this many standard errors off the monotone fit keeps its median
@@ -412,7 +414,7 @@ class CostModel:
                 # is unknown, or while the cell has fewer than MIN_SETTLED values (one slow step
                 # is not a dip), so that the cell stays pooled
                 n, cv = self._cell_noise((c, b))
-                se = 1.25 * cv / math.sqrt(n) if self.step_cv_ is not None and n >= MIN_SETTLED else math.inf
+                se = MEDIAN_SE * cv / math.sqrt(n) if self.step_cv_ is not None and n >= MIN_SETTLED else math.inf
                 by_config.setdefault(c, []).append((b, float(np.median(values)), weight, se))
         fits: dict[Config, _TimeFit] = {}
         for c, pts in by_config.items():
@@ -641,7 +643,7 @@ class CostModel:
         if self.step_cv_ is not None:
             for i, b in enumerate(f.b):
                 n, cv = self._cell_noise((tuple(c), int(b)))  # type: ignore[arg-type]
-                var[i] = (1.25 * cv) ** 2 / n if n > 0 else math.inf
+                var[i] = (MEDIAN_SE * cv) ** 2 / n if n > 0 else math.inf
                 if n < MIN_SETTLED:
                     thin_b[i] = var[i]
         if len(f.b) == 1:
@@ -725,10 +727,8 @@ class CostModel:
 
     def measured_range(self, c: Config) -> tuple[int, int, int]:
         """(lowest, highest, number of) batch sizes with step-time data for c."""
-        f = self._check().get(tuple(c))  # type: ignore[arg-type]
-        if f is None:
-            return (0, 0, 0)
-        return (int(f.b[0]), int(f.b[-1]), len(f.b))
+        b = self.measured_batches(c)
+        return (b[0], b[-1], len(b)) if b else (0, 0, 0)
 
     def measured_batches(self, c: Config) -> list[int]:
         """The batch sizes with step times of c, as of the last refit."""
