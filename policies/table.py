@@ -96,14 +96,13 @@ class PolicyTable:
 
     def decide(self, batch_size: int, step_counter: int) -> Config:
         if self.explore and self.explore_period > 0 and step_counter % self.explore_period == 0:
-            hits = [r for r in self.explore if _in(r, batch_size)]
-            if hits:
-                # rotate through the candidates of this batch size, one per exploring step
-                return hits[(step_counter // self.explore_period) % len(hits)].config
+            c = _rotate(self.explore, self.explore_period, batch_size, step_counter)
+            if c is not None:
+                return c
         if self.challenge and self.challenge_period > 0 and step_counter % self.challenge_period == 0:
-            hits = [r for r in self.challenge if _in(r, batch_size)]
-            if hits:
-                return hits[(step_counter // self.challenge_period) % len(hits)].config
+            c = _rotate(self.challenge, self.challenge_period, batch_size, step_counter)
+            if c is not None:
+                return c
         return self.lookup(batch_size)
 
     def configs(self) -> list[Config]:
@@ -135,6 +134,12 @@ class PolicyTable:
 
 def _in(r: Row, b: int) -> bool:
     return r.min_batch <= b and (r.max_batch is None or b <= r.max_batch)
+
+
+def _rotate(rows: Sequence[Row], period: int, b: int, step_counter: int) -> Optional[Config]:
+    """The rows covering batch size b in turn, one per `period` steps; None if none covers it."""
+    hits = [r for r in rows if _in(r, b)]
+    return hits[(step_counter // period) % len(hits)].config if hits else None
 
 
 def table_problem(rows: Sequence[Row]) -> Optional[str]:

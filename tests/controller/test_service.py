@@ -433,13 +433,13 @@ def test_a_fallback_the_engines_have_no_state_for_is_refused_up_front():
     ServiceSettings(candidates=((0, 1, 1), (2, 4, 16)), fixed_config=(2, 4, 16))
 
 
-def _closed_loop(svc, clock, seconds, step_ms, tau, seed, batch=4, start_ms=None, start_steps=0, cv=0.3):
+def _closed_loop(svc, clock, seconds, step_ms, tau, seed, batch=4, start_ms=None, start_steps=0):
     """An engine at a fixed batch size following the service's table (exploring steps
-    included), its step times lognormal around `step_ms[config]` (cv `cv`), the service ticking
+    included), its step times lognormal around `step_ms[config]` (cv 0.3), the service ticking
     every second of its clock. The first `start_steps` steps run plain decode at `start_ms`
     (the engine was slower then). Returns the configuration run at each step."""
     rng = np.random.default_rng(seed)
-    sigma = np.sqrt(np.log1p(cv ** 2))
+    sigma = np.sqrt(np.log1p(0.3 ** 2))
     ran, next_tick, end, i = [], clock.t + 1.0, clock.t + seconds, 0
     while clock.t < end:
         if i < start_steps:
