@@ -31,6 +31,9 @@ class Metrics:
                                ["config"], registry=r)
         self.crossover = Gauge("specctl_spec_off_crossover_batch",
                                "First batch size decoded plainly for good (0: never)", registry=r)
+        self.off_steps = Counter("specctl_off_steps", "Steps-0 records by the off path the engine ran "
+                                 "(decode: the decode state; verify: SGLang's trivial verify; unknown: not said)",
+                                 ["server", "path"], registry=r)
         self.status_requests = Counter("specctl_status_requests", "Status queries answered",
                                        ["result"], registry=r)
         self._servers: set[str] = set()

@@ -104,6 +104,8 @@ class ServerStats:
     last_seen: float = 0.0
     ranks: set = field(default_factory=set)
     counter: Any = None  # this server's records_in child (label lookup once, not per record)
+    off_paths: dict = field(default_factory=dict)  # steps-0 records by off path ("unknown": not said)
+    off_counters: dict = field(default_factory=dict)  # their metric children, looked up once
 
 
 class ControllerService:
@@ -204,6 +206,13 @@ class ControllerService:
         if len(st.ranks) < 1024:
             st.ranks.add(rec.rank)
         st.counter.inc()
+        if rec.config.steps == 0:
+            path = rec.off_path or "unknown"
+            c = st.off_counters.get(path)
+            if c is None:
+                c = st.off_counters[path] = self.metrics.off_steps.labels(self.metrics.server_label(rec.server), path)
+            st.off_paths[path] = st.off_paths.get(path, 0) + 1
+            c.inc()
         return True
 
     # ------------------------------------------------------------------ refit / publish
@@ -554,6 +563,12 @@ class ControllerService:
             for o in options
         }
         summary["evidence"] = self.evidence or "ok"
+        paths: dict[str, int] = {}
+        for st in self.servers.values():
+            for k, v in st.off_paths.items():
+                paths[k] = paths.get(k, 0) + v
+        if paths:
+            summary["off_paths"] = dict(sorted(paths.items()))
         x = table.spec_off_crossover()
         summary["spec_off_crossover"] = x
         return summary
@@ -611,7 +626,7 @@ class ControllerService:
             "last_refit_ms": round(self.last_refit_ms, 3),
             "evidence": self.evidence or "ok",
             "servers": {k: {"records": v.records, "ranks": sorted(v.ranks)[:16],
-                            "last_seen_s_ago": round(now - v.last_seen, 3)}
+                            "last_seen_s_ago": round(now - v.last_seen, 3), "off_paths": dict(v.off_paths)}
                         for k, v in list(self.servers.items())[:64]},
             "policy": wire.to_obj(self.policy),
             "policy_age_s": round(now - self.policy.created_at, 3),

@@ -79,6 +79,10 @@ def render(policy: wire.PolicyRecord, *, now: Optional[float] = None) -> str:
                 parts.append(f"{n} tau={tau:.2f}")
         if parts:
             lines.append("tokens/step: " + ", ".join(parts))
+    paths = m.get("off_paths") or {}
+    if paths:
+        said = {"decode": "decode state", "verify": "trivial verify", "unknown": "not said"}
+        lines.append("off steps ran: " + ", ".join(f"{said.get(k, k)} {v:,}" for k, v in sorted(paths.items())))
     if m.get("fit_error"):
         lines.append("fit error (median rel.): " + ", ".join(
             f"{k} {v:.1%}" for k, v in sorted(m["fit_error"].items(), key=lambda kv: _order(kv[0]))))

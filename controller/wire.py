@@ -151,9 +151,14 @@ class StepRecord(_Versioned):
     )
     step_ms: float = Field(gt=0, lt=600_000)
     ctx_tokens: Optional[int] = Field(default=None, ge=0)
+    # steps 0 only: which "off" ran inside the EAGLE server ("decode": the plugin's decode state,
+    # "verify": SGLang's 1-token trivial verify); absent from engines that do not say
+    off_path: Optional[Literal["decode", "verify"]] = None
 
     @model_validator(mode="after")
     def _accepted_fits(self) -> "StepRecord":
+        if self.off_path is not None and self.config.steps != 0:
+            raise ValueError("off_path is only for steps=0 records")
         acc = self.accepted
         if acc is None:
             if self.config.steps > 0:

@@ -54,6 +54,9 @@ class PluginSettings:
     # diagnostics: every decision of this rank, one line `step batch_size steps version` ("{rank}" in
     # the path is replaced by the TP rank): how a TP run proves every rank chose the same
     decision_log: Optional[str] = None
+    # "off" as a true decode forward inside the EAGLE server (plugin/plain_decode.py); False: SGLang's
+    # steps-0 state (a 1-token verify) runs as it is
+    plain_decode: bool = True
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -76,7 +79,9 @@ class PluginSettings:
         one off), `SPECCTL_FALLBACK_THRESHOLD`, `SPECCTL_FALLBACK_CONFIG` (`s3`, `off`, `3,1,4`),
         `SPECCTL_STALE_AFTER_S`, `SPECCTL_POLICY_FILE`, `SPECCTL_SYNC_EVERY`,
         `SPECCTL_CURVE_SECRET_KEY` / `SPECCTL_CURVE_SERVER_KEY` (certificate files),
-        `SPECCTL_DECISION_LOG` (a path, `{rank}` replaced: every decision of the rank, for audits)."""
+        `SPECCTL_DECISION_LOG` (a path, `{rank}` replaced: every decision of the rank, for audits),
+        `SPECCTL_PLAIN_DECODE` (`on` | `off`: speculation off as a decode forward, or SGLang's
+        1-token verify)."""
 
         def get(name: str) -> Optional[str]:
             v = env.get(ENV_PREFIX + name)
@@ -106,6 +111,10 @@ class PluginSettings:
         kw["curve_secret_key_file"] = get("CURVE_SECRET_KEY")
         kw["curve_server_key_file"] = get("CURVE_SERVER_KEY")
         kw["decision_log"] = get("DECISION_LOG")
+        pd = (get("PLAIN_DECODE") or "on").lower()
+        if pd not in ("on", "off", "1", "0", "true", "false"):
+            raise ValueError(f"SPECCTL_PLAIN_DECODE must be on or off, not {pd!r}")
+        kw["plain_decode"] = pd in ("on", "1", "true")
         if get("POLICY_FILE"):
             kw["policy_file"] = get("POLICY_FILE")
             kw.setdefault("mode", "file")
@@ -367,7 +376,7 @@ class EngineController:
 
     def step_record(self, *, iter: int, ts: float, batch_size: int, draft_tokens: int,
                     accepted: Optional[list[int]], step_ms: float,
-                    ctx_tokens: Optional[int] = None) -> bytes:
+                    ctx_tokens: Optional[int] = None, off_path: Optional[str] = None) -> bytes:
         """One DESIGN.md `step` frame, exactly `wire.encode(StepRecord(...))`. The configuration is
         the runtime state that produced this result, known by its width (`states` keeps widths
         unique); a width no state has is read as the chain of `draft_tokens - 1` steps."""
@@ -382,6 +391,8 @@ class EngineController:
             acc = b""
         ms = float(step_ms)
         tail = b'}' if ctx_tokens is None else b',"ctx_tokens":%d}' % ctx_tokens
+        if off_path is not None and draft_tokens == 1:
+            tail = (_OFF_DECODE if off_path == "decode" else _OFF_VERIFY) + tail
         return b"".join((
             self._prefix, b"%d" % iter, b',"ts":', repr(float(ts)).encode(),
             b',"batch_size":%d' % batch_size, frag, acc,
@@ -505,6 +516,7 @@ def _describe(t: PolicyTable) -> str:
     return ", ".join(parts)
 
 
+_OFF_DECODE, _OFF_VERIFY = b',"off_path":"decode"', b',"off_path":"verify"'
 _DIGIT = bytes(range(48, 58)) + bytes(246)  # byte value v < 10 -> ASCII digit
 _BELOW_10 = bytes(range(10))
 _INT_BYTES = [str(i).encode() for i in range(256)]

@@ -6,6 +6,12 @@
              every rank, every decode result, same order: telemetry (rank 0), and every
              `sync_every` results rank 0's pending policy is broadcast on the TP group and applied.
 
+The decode state (speculation off as a decode forward; plugin/plain_decode.py; SPECCTL_PLAIN_DECODE):
+
+    AFTER    EAGLEWorkerV2.init_cuda_graphs        builds it on every TP rank; the ranks agree
+    AROUND   EAGLEWorkerV2.verify                  at steps 0: the verify call runs with it
+    AROUND   TpModelWorker.forward_batch_generation  the target forward of that call: a DECODE forward
+
 Tree states (topk > 1; only when the adaptive config has a `specctl.states` section, see
 plugin/launch_args.py; each hook passes straight through otherwise):
 
@@ -56,6 +62,13 @@ class Targets:
     extend_prefill: str = "sglang.srt.speculative.eagle_worker_v2.EagleDraftWorker._draft_extend_for_prefill"
     draft: str = "sglang.srt.speculative.eagle_worker_v2.EagleDraftWorker.draft"
     logits_rows: str = "sglang.srt.model_executor.model_runner.ModelRunner.max_decode_logits_rows"
+    # the decode state only
+    init_graphs: str = "sglang.srt.speculative.eagle_worker_v2.EAGLEWorkerV2.init_cuda_graphs"
+    verify: str = "sglang.srt.speculative.eagle_worker_v2.EAGLEWorkerV2.verify"
+    target_forward: str = "sglang.srt.managers.tp_worker.TpModelWorker.forward_batch_generation"
+
+    def plain_targets(self) -> tuple[str, ...]:
+        return (self.init_graphs, self.verify, self.target_forward)
 
     def tree_targets(self) -> tuple[str, ...]:
         return (self.build, self.apply, self.extend_decode, self.extend_prefill, self.draft, self.logits_rows)
@@ -141,6 +154,7 @@ class PluginRuntime:
         self.wall_offset_s = time.time() - time.monotonic()
         self._prev_launch: Optional[tuple[int, float]] = None
         self._warned: set[str] = set()
+        self.plain: Any = None  # the decode state (plain_decode.PlainDecode), once built
 
     # ---------------------------------------------------------------- start-up
 
@@ -312,6 +326,9 @@ class PluginRuntime:
         if tree_hooks:
             consequence.update({t: "tree states cannot be built or switched to safely"
                                 for t in self.targets.tree_targets()})
+        if self.settings.plain_decode:
+            consequence.update({t: "no decode state: speculation off runs SGLang's 1-token verify"
+                                for t in self.targets.plain_targets()})
         self.missing_hooks = {t for t in consequence if t not in patched}
         self.hook_problems = [f"hook on {t} did not take effect: {why}"
                               for t, why in consequence.items() if t in self.missing_hooks]
@@ -320,6 +337,27 @@ class PluginRuntime:
         if not self.hook_problems:
             log.info("specctl: all %d hooks in place", len(consequence))
         return self.hook_problems
+
+    # ---------------------------------------------------------------- the decode state
+
+    def build_plain(self, worker: Any) -> None:
+        """AFTER init_cuda_graphs (every TP rank): the decode state, or None with the reason logged."""
+        from . import plain_decode
+
+        self.plain = None
+        missing = [t for t in self.targets.plain_targets() if self.missing_hooks is None or t in self.missing_hooks]
+        if missing:
+            # the ranks agree all the same: every rank took part in the same collective
+            log.error("specctl: no decode state: the hooks on %s are not in place", ", ".join(missing))
+            plain_decode.tp_agree(self.tp_group or _SingleProcess())(False)
+            return
+        group = self.tp_group
+        if group is None:  # the policy object (which finds the group) was never built
+            try:
+                group = self.tp_group_fn()
+            except Exception:  # noqa: BLE001 - no group: a single process
+                group = _SingleProcess()
+        self.plain = plain_decode.build(worker, agree=plain_decode.tp_agree(group))
 
     # ---------------------------------------------------------------- per step
 
@@ -367,9 +405,10 @@ class PluginRuntime:
         if not step_ms > 0:
             return
         width = result.speculative_num_draft_tokens or 1
+        off_path = getattr(result, "_specctl_off_path", "verify") if width == 1 else None
         frame = eng.step_record(iter=it, ts=launch + self.wall_offset_s, batch_size=len(batch.reqs),
                                 draft_tokens=width, accepted=result.num_correct_drafts_per_req_cpu,
-                                step_ms=step_ms)
+                                step_ms=step_ms, off_path=off_path)
         self.sender.send(frame)
 
     def _sync(self, eng: EngineController) -> None:
@@ -512,6 +551,10 @@ def install(settings: PluginSettings, *, targets: Targets = SGLANG_TARGETS,
     HookRegistry.register(targets.extend_prefill, _around_draft_extend, HookType.AROUND)
     HookRegistry.register(targets.draft, _before_draft, HookType.BEFORE)
     HookRegistry.register(targets.logits_rows, _after_logits_rows, HookType.AFTER)
+    if settings.plain_decode:
+        HookRegistry.register(targets.init_graphs, _after_init_graphs, HookType.AFTER)
+        HookRegistry.register(targets.verify, _around_verify, HookType.AROUND)
+        HookRegistry.register(targets.target_forward, _around_target_forward, HookType.AROUND)
     return rt
 
 
@@ -536,6 +579,37 @@ def _after_resolve(ret: Any, processor: Any, *args: Any, **kwargs: Any) -> None:
         except Exception as e:  # noqa: BLE001
             rt.warn_once(f"result hook error: {type(e).__name__}: {e}")
     return None  # keep SGLang's return value
+
+
+def _after_init_graphs(ret: Any, worker: Any, *args: Any, **kwargs: Any) -> None:
+    rt = _RUNTIME
+    if rt is not None:
+        try:
+            rt.build_plain(worker)
+        except Exception as e:  # noqa: BLE001 - the server starts without it
+            rt.plain = None
+            log.exception("specctl: no decode state (%s: %s)", type(e).__name__, e)
+    return None
+
+
+def _around_verify(orig: Callable[..., Any], worker: Any, batch: Any, *args: Any, **kwargs: Any) -> Any:
+    rt = _RUNTIME
+    plain = rt.plain if rt is not None else None
+    if plain is None or not plain.on or worker.speculative_num_steps != 0:
+        return orig(worker, batch, *args, **kwargs)
+    from . import plain_decode
+
+    return plain_decode.around_verify(plain, orig, worker, batch, args, kwargs)
+
+
+def _around_target_forward(orig: Callable[..., Any], target_worker: Any, *args: Any, **kwargs: Any) -> Any:
+    rt = _RUNTIME
+    plain = rt.plain if rt is not None else None
+    if plain is None or plain.pending is None or not kwargs.get("is_verify"):
+        return orig(target_worker, *args, **kwargs)
+    from . import plain_decode
+
+    return plain_decode.around_target_forward(plain, orig, target_worker, args, kwargs)
 
 
 def _around_build(orig: Callable[..., Any], worker: Any, *args: Any, **kwargs: Any) -> Any:

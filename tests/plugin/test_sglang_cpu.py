@@ -138,12 +138,15 @@ def test_entry_point_is_discovered_by_load_plugins_and_acts_in_scheduler_process
 def test_startup_check_names_the_hooks_that_did_not_take_effect(server, plugged, caplog):
     caplog.set_level(logging.ERROR, logger="specctl.plugin")
     server()
-    # on CPU the worker and result-processor modules cannot be imported, so SGLang failed to
-    # apply those two; the REPLACE on the policy class went in
+    # on CPU the worker, TP-worker and result-processor modules cannot be imported, so SGLang failed
+    # to apply those hooks (the step timing, the result hook and the decode state's three); the
+    # REPLACE on the policy class went in
     problems = plugged.hook_problems
-    assert len(problems) == 2
+    assert len(problems) == 5
     assert any("EAGLEWorkerV2.forward_batch_generation" in p for p in problems)
     assert any("_resolve_spec_v2_tokens" in p and "fallback" in p for p in problems)
+    assert sum("no decode state" in p for p in problems) == 3
+    assert any("EAGLEWorkerV2.verify" in p for p in problems)
     assert not any("AdaptiveSpeculativeParams" in p for p in problems)
     assert sum("did not take effect" in r.getMessage() for r in caplog.records) >= 2
 
