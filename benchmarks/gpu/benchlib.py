@@ -14,6 +14,7 @@ SGLANG_ADAPTIVE_MAX_STEPS = 7
 
 
 SKIP_DE = "+skipde"  # policy suffix: SGLANG_SPEC_SKIP_ZERO_STEP_DRAFT_EXTEND=1 (0.5.17: steps 0 skips the draft's extend)
+VERIFY_OFF = "+verify"  # plugin policy suffix: SPECCTL_PLAIN_DECODE=off (steps 0 is SGLang's trivial verify, not the decode state)
 
 
 def parse_policy(pol):
@@ -26,12 +27,19 @@ def parse_policy(pol):
     plain decode inside the EAGLE-3 server at every batch size (the steps-0 state's cost).
     Any speculative policy may end in +skipde: the server runs with SGLANG_SPEC_SKIP_ZERO_STEP_DRAFT_EXTEND=1
     (its steps-0 state no longer extends the draft; an upshift then drafts from stale state)."""
-    skip = pol.endswith(SKIP_DE)
-    p = _parse_policy(pol[:-len(SKIP_DE)] if skip else pol)
-    if skip:
+    base, suffixes = pol, set()
+    for suffix in (SKIP_DE, VERIFY_OFF) * 2:
+        if base.endswith(suffix):
+            base, _ = base[:-len(suffix)], suffixes.add(suffix)
+    p = _parse_policy(base)
+    if SKIP_DE in suffixes:
         if p["kind"] == "off" or p["kind"] == "static":
             raise ValueError(f"{pol!r}: {SKIP_DE} needs an adaptive server (it acts on the steps-0 state)")
         p["skip_zero_draft_extend"] = True
+    if VERIFY_OFF in suffixes:
+        if p["kind"] not in ("specctl", "plugin-fixed"):
+            raise ValueError(f"{pol!r}: {VERIFY_OFF} needs a plugin policy (it turns the plugin's decode state off)")
+        p["plain_decode"] = False
     return p
 
 
@@ -116,6 +124,8 @@ def policy_launch_args(pol, draft, specctl_max_steps=3):
     args, env, cfg = _launch_args(p, draft, specctl_max_steps)
     if p.get("skip_zero_draft_extend"):
         env = dict(env, SGLANG_SPEC_SKIP_ZERO_STEP_DRAFT_EXTEND="1")
+    if p.get("plain_decode") is False:
+        env = dict(env, SPECCTL_PLAIN_DECODE="off")
     return args, env, cfg
 
 

@@ -26,7 +26,9 @@ policy, default config, launched at its largest candidate 7: the 0.5.17 logits-b
 launched with an adaptive config whose candidates are 0..3; an unmeasured learning pass over
 --specctl-learn levels first) | plugin-fixed:T:sN (threshold:T:sN decided by the plugin in fixed mode,
 telemetry to a daemon: the same server with and without the plugin; plugin-fixed:1:sN = steps 0 at every batch
-size). Any adaptive policy may end in +skipde (SGLANG_SPEC_SKIP_ZERO_STEP_DRAFT_EXTEND=1 on its server).
+size). Any adaptive policy may end in +skipde (SGLANG_SPEC_SKIP_ZERO_STEP_DRAFT_EXTEND=1 on its server), a plugin
+policy in +verify (SPECCTL_PLAIN_DECODE=off: "off" is SGLang's 1-token trivial verify, not the plugin's decode state).
+--resync POLS runs the draft-resync probe on those servers first (before anything else reaches them): see resync_probe.
 specctl is installed as a PYTHONPATH folder (specctl_side.make_site), no wheel needed.
 Writes OUT/bench-<variant>.json (the results format of issue 5), OUT/profile-<variant>.json, OUT/<policy>.log,
 and per plugin policy OUT/specctl-<policy>/ (daemon log, every policy version, decision log, telemetry).
@@ -189,6 +191,75 @@ async def phase_loop(port, pools, phases, new, seed=0):
         return out, time.time() - t_start
 
 
+async def traced_request(session, port, ids, new, trace):
+    """Streaming /generate with ignore_eos: every chunk's (completion_tokens, spec_verify_ct) into trace."""
+    body = {"input_ids": ids, "sampling_params": {"temperature": 0, "max_new_tokens": new, "ignore_eos": True},
+            "stream": True}
+    async with session.post(f"http://127.0.0.1:{port}/generate", json=body) as r:
+        async for raw in r.content:
+            line = raw.decode().strip()
+            if not line.startswith("data:") or line[5:].strip() == "[DONE]":
+                continue
+            m = json.loads(line[5:].strip()).get("meta_info", {})
+            if m.get("completion_tokens") is not None:
+                trace.append((m["completion_tokens"], m.get("spec_verify_ct") or 0))
+
+
+def tail_accept(traces, from_tokens):
+    """Accept length (tokens per verify step) of each trace from its first point at >= from_tokens[i] tokens
+    to its end, pooled: sum of tokens / sum of verify steps over those windows."""
+    tok = ver = 0
+    for tr, start in zip(traces, from_tokens):
+        first = next((p for p in tr if p[0] >= start), None)
+        if first is None or not tr:
+            continue
+        tok += tr[-1][0] - first[0]
+        ver += tr[-1][1] - first[1]
+    return round(tok / ver, 4) if ver else None
+
+
+async def resync_probe(port, probes, fillers, *, probe_tokens=5120, tail_tokens=700, off_s=30.0, filler_c=60,
+                       filler_tokens=128):
+    """Does the draft stay in sync across a long plain-decode stretch? On a threshold:5 server (speculating
+    below batch 5): (1) the 4 probe prompts alone (c=4, speculating throughout) for probe_tokens each, ignore_eos:
+    the reference; (2) the same 4 probes again, now beside filler_c closed-loop fillers (batch 64: plain decode)
+    until >= off_s have passed and every probe is within tail_tokens of its end; the fillers then stop and drain,
+    and the probes finish speculating at c=4. accept_before / accept_after = tokens per verify step over the probes'
+    last positions (the same positions in both runs: from where run 2's tail began)."""
+    import aiohttp
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=900)) as s:
+        ref = [[] for _ in probes]
+        t0 = time.time()
+        await asyncio.gather(*[traced_request(s, port, p["ids"], probe_tokens, tr) for p, tr in zip(probes, ref)])
+        ref_s = time.time() - t0
+        run = [[] for _ in probes]
+        t0 = time.time()
+        probe_tasks = [asyncio.ensure_future(traced_request(s, port, p["ids"], probe_tokens, tr))
+                       for p, tr in zip(probes, run)]
+        out, idx, inflight = [], 0, set()
+
+        def probes_near_end():
+            return all(tr and tr[-1][0] >= probe_tokens - tail_tokens for tr in run)
+
+        while not (time.time() - t0 >= off_s and probes_near_end()) and not all(t.done() for t in probe_tasks):
+            while len(inflight) < filler_c:
+                item = fillers[idx % len(fillers)]
+                idx += 1
+                task = asyncio.ensure_future(one_request(s, port, item["ids"], filler_tokens, out))
+                inflight.add(task)
+                task.add_done_callback(inflight.discard)
+            await asyncio.sleep(0.01)
+        off_stretch_s = time.time() - t0
+        if inflight:
+            await asyncio.gather(*inflight)
+        tail_from = [tr[-1][0] if tr else probe_tokens for tr in run]
+        await asyncio.gather(*probe_tasks)
+    return {"accept_before": tail_accept(ref, tail_from), "accept_after": tail_accept(run, tail_from),
+            "tail_from_tokens": tail_from, "probe_tokens": probe_tokens, "off_stretch_s": round(off_stretch_s, 1),
+            "fillers": len(out), "filler_errors": sum(1 for o in out if "error" in o), "reference_s": round(ref_s, 1),
+            "probe_c": len(probes), "filler_c": filler_c}
+
+
 def finish_plugin_run(sv, srv, out):
     """Stop the daemon; keep every policy version, audit the decision log against them, count SGLang's
     own switch lines; pack the telemetry recording."""
@@ -234,6 +305,10 @@ def main():
     ap.add_argument("--identity-c", type=int, default=16,
                     help="concurrency of the greedy identity probe (16 prompts, 64 tokens); below a threshold policy's "
                          "T it compares the speculating states")
+    ap.add_argument("--identity-tokens", type=int, default=64, help="new tokens per identity prompt (16 prompts)")
+    ap.add_argument("--resync", default="", help="comma list of policies (threshold:5-like, speculating at c=4, "
+                                                 "off at c=64) to run resync_probe on, before anything else")
+    ap.add_argument("--resync-off-s", type=float, default=30.0)
     ap.add_argument("--accept-eval", action="store_true", help="all MT-Bench turn-1 / HumanEval prompts at c=16, per spec policy")
     ap.add_argument("--accept-tokens", type=int, default=320)
     ap.add_argument("--phase-scale", type=float, default=1.0, help="multiply phase durations")
@@ -319,7 +394,7 @@ def main():
                 asyncio.run(closed_loop(sv["port"], mixed[len(mixed) // 2:], c, max(2 * c, 8), a.new_tokens))
             srv["learn_s"] = round(time.time() - t_learn, 1)
             log(f"specctl learned for {srv['learn_s']} s; policy:", json.dumps(sv["side"].status()["policy"]["table"])[:600])
-        outs, _ = asyncio.run(closed_loop(sv["port"], mixed[:16], a.identity_c, 16, 64, stream=False))
+        outs, _ = asyncio.run(closed_loop(sv["port"], mixed[:16], a.identity_c, 16, a.identity_tokens, stream=False))
         result["identity"][pol] = {o.get("pid"): o.get("ids") for o in outs}
         if a.accept_eval and pol != "off":
             acc = {}
@@ -405,6 +480,11 @@ def main():
                 log("ready", sv["policy"], result["servers"][sv["policy"]]["ready_s"], "s")
                 live.append(sv)
         try:
+            for sv in live:
+                if sv["policy"] in a.resync.split(","):
+                    r = asyncio.run(resync_probe(sv["port"], mixed[:4], mixed[16:], off_s=a.resync_off_s))
+                    result.setdefault("resync", {})[sv["policy"]] = r
+                    log(f"{sv['policy']} resync: {r}")
             for sv in live:
                 prepare(sv)
             if a.interleave and a.phase_first:
