@@ -487,6 +487,7 @@ def main():
                     log(f"{sv['policy']} resync: {r}")
             for sv in live:
                 prepare(sv)
+            live = [sv for sv in live if sv["policy"] not in a.resync.split(",")]  # probed only
             if a.interleave and a.phase_first:
                 phase_rounds(live)
             if a.interleave:
