@@ -487,7 +487,9 @@ def main():
                     log(f"{sv['policy']} resync: {r}")
             for sv in live:
                 prepare(sv)
-            live = [sv for sv in live if sv["policy"] not in a.resync.split(",")]  # probed only
+            for sv in [sv for sv in live if sv["policy"] in a.resync.split(",")]:  # probed only: gone
+                retire(sv)
+            live = [sv for sv in live if not sv.get("retired")]
             if a.interleave and a.phase_first:
                 phase_rounds(live)
             if a.interleave:
