@@ -465,3 +465,33 @@ def test_the_hooks_dispatch_a_steps0_verify_through_the_real_registry():
             HookRegistry._hooks.pop(k)
             HookRegistry._patched.discard(k)
         sys.modules.pop(mod.__name__, None)
+
+
+@pytest.mark.sglang
+@pytest.mark.slow
+@pytest.mark.parametrize("fail_rank", [-1, 0, 1])
+def test_two_gloo_ranks_run_the_decode_state_only_if_both_built_it(tmp_path, fail_rank):
+    """SGLang's real GroupCoordinator on gloo: a capture that fails on one rank leaves both ranks
+    on the trivial verify (a per-rank mismatch would not hang, it would diverge silently)."""
+    import json
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    here = Path(__file__).with_name("tp_plain_rank.py")
+    procs = [subprocess.Popen([sys.executable, str(here), str(r), "2", str(port), str(fail_rank), str(tmp_path)],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for r in range(2)]
+    try:
+        outs = [p.communicate(timeout=180)[0].decode(errors="replace") for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert all(p.returncode == 0 for p in procs), "\n\n".join(o[-3000:] for o in outs)
+    built = [json.loads((tmp_path / f"plain-rank{r}.json").read_text())["built"] for r in range(2)]
+    assert built == ([True, True] if fail_rank < 0 else [False, False])
+    if fail_rank >= 0:
+        assert "MemoryError" in outs[fail_rank] and "another TP rank could not build it" in outs[1 - fail_rank]
