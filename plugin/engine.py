@@ -57,6 +57,9 @@ class PluginSettings:
     # "off" as a true decode forward inside the EAGLE server (plugin/plain_decode.py); False: SGLang's
     # steps-0 state (a 1-token verify) runs as it is
     plain_decode: bool = True
+    # SGLang's split-KV verify attention kernel (upstream: AMD gfx95 only) for topk-1 chains on CUDA;
+    # off until its GPU checks (numerics against fp32, accept length, greedy agreement) have passed
+    splitkv_verify: bool = False
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -81,7 +84,8 @@ class PluginSettings:
         `SPECCTL_CURVE_SECRET_KEY` / `SPECCTL_CURVE_SERVER_KEY` (certificate files),
         `SPECCTL_DECISION_LOG` (a path, `{rank}` replaced: every decision of the rank, for audits),
         `SPECCTL_PLAIN_DECODE` (`on` | `off`: speculation off as a decode forward, or SGLang's
-        1-token verify)."""
+        1-token verify), `SPECCTL_SPLITKV_VERIFY` (`on` | `off`: the split-KV verify kernel for
+        topk-1 chains on CUDA)."""
 
         def get(name: str) -> Optional[str]:
             v = env.get(ENV_PREFIX + name)
@@ -111,10 +115,11 @@ class PluginSettings:
         kw["curve_secret_key_file"] = get("CURVE_SECRET_KEY")
         kw["curve_server_key_file"] = get("CURVE_SERVER_KEY")
         kw["decision_log"] = get("DECISION_LOG")
-        pd = (get("PLAIN_DECODE") or "on").lower()
-        if pd not in ("on", "off", "1", "0", "true", "false"):
-            raise ValueError(f"SPECCTL_PLAIN_DECODE must be on or off, not {pd!r}")
-        kw["plain_decode"] = pd in ("on", "1", "true")
+        for name, field_, default in (("PLAIN_DECODE", "plain_decode", "on"), ("SPLITKV_VERIFY", "splitkv_verify", "off")):
+            v = (get(name) or default).lower()
+            if v not in ("on", "off", "1", "0", "true", "false"):
+                raise ValueError(f"SPECCTL_{name} must be on or off, not {v!r}")
+            kw[field_] = v in ("on", "1", "true")
         if get("POLICY_FILE"):
             kw["policy_file"] = get("POLICY_FILE")
             kw.setdefault("mode", "file")

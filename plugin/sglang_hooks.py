@@ -12,6 +12,12 @@ The decode state (speculation off as a decode forward; plugin/plain_decode.py; S
     AROUND   EAGLEWorkerV2.verify                  at steps 0: the verify call runs with it
     AROUND   TpModelWorker.forward_batch_generation  the target forward of that call: a DECODE forward
 
+The split-KV verify kernel (SPECCTL_SPLITKV_VERIFY=on; SGLang gates it to AMD gfx95):
+
+    AFTER    TritonAttnBackend.__init__             use_verify_splitkv on every topk-1 backend on CUDA
+                                                  (the kernel computes a causal chain; its own can_handle
+                                                  sends everything else to the extend kernel)
+
 Tree states (topk > 1; only when the adaptive config has a `specctl.states` section, see
 plugin/launch_args.py; each hook passes straight through otherwise):
 
@@ -66,6 +72,8 @@ class Targets:
     init_graphs: str = "sglang.srt.speculative.eagle_worker_v2.EAGLEWorkerV2.init_cuda_graphs"
     verify: str = "sglang.srt.speculative.eagle_worker_v2.EAGLEWorkerV2.verify"
     target_forward: str = "sglang.srt.managers.tp_worker.TpModelWorker.forward_batch_generation"
+    # the split-KV verify kernel only
+    triton_init: str = "sglang.srt.layers.attention.triton_backend.TritonAttnBackend.__init__"
 
     def plain_targets(self) -> tuple[str, ...]:
         return (self.init_graphs, self.verify, self.target_forward)
@@ -329,6 +337,8 @@ class PluginRuntime:
         if self.settings.plain_decode:
             consequence.update({t: "no decode state: speculation off runs SGLang's 1-token verify"
                                 for t in self.targets.plain_targets()})
+        if self.settings.splitkv_verify:
+            consequence[self.targets.triton_init] = "verify attention stays SGLang's extend kernel"
         self.missing_hooks = {t for t in consequence if t not in patched}
         self.hook_problems = [f"hook on {t} did not take effect: {why}"
                               for t, why in consequence.items() if t in self.missing_hooks]
@@ -551,6 +561,8 @@ def install(settings: PluginSettings, *, targets: Targets = SGLANG_TARGETS,
     HookRegistry.register(targets.extend_prefill, _around_draft_extend, HookType.AROUND)
     HookRegistry.register(targets.draft, _before_draft, HookType.BEFORE)
     HookRegistry.register(targets.logits_rows, _after_logits_rows, HookType.AFTER)
+    if settings.splitkv_verify:
+        HookRegistry.register(targets.triton_init, _after_triton_init, HookType.AFTER)
     if settings.plain_decode:
         HookRegistry.register(targets.init_graphs, _after_init_graphs, HookType.AFTER)
         HookRegistry.register(targets.verify, _around_verify, HookType.AROUND)
@@ -579,6 +591,22 @@ def _after_resolve(ret: Any, processor: Any, *args: Any, **kwargs: Any) -> None:
         except Exception as e:  # noqa: BLE001
             rt.warn_once(f"result hook error: {type(e).__name__}: {e}")
     return None  # keep SGLang's return value
+
+
+def _after_triton_init(ret: Any, backend: Any, *args: Any, **kwargs: Any) -> None:
+    """Every TritonAttnBackend built for a topk-1 chain on CUDA verifies with the split-KV kernel."""
+    try:
+        topk = getattr(backend, "topk", None)
+        if isinstance(topk, int) and topk <= 1 and str(getattr(backend, "device", "")).startswith("cuda") \
+                and hasattr(backend, "verify_splitkv_fwd"):
+            if not getattr(backend, "use_verify_splitkv", False):
+                backend.use_verify_splitkv = True
+                rt = _RUNTIME
+                if rt is not None:
+                    rt.warn_once("split-KV verify kernel on for topk-1 verify (SPECCTL_SPLITKV_VERIFY=on)", logging.INFO)
+    except Exception as e:  # noqa: BLE001 - SGLang's own choice stands
+        log.warning("specctl: split-KV verify hook error (%s: %s); SGLang's kernel choice stands", type(e).__name__, e)
+    return None
 
 
 def _after_init_graphs(ret: Any, worker: Any, *args: Any, **kwargs: Any) -> None:

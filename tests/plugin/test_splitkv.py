@@ -1,0 +1,62 @@
+"""The split-KV verify switch (SPECCTL_SPLITKV_VERIFY): which TritonAttnBackend instances get SGLang's
+split-KV verify kernel, and that install() registers the hook only when asked."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+
+from specctl.plugin import sglang_hooks
+from specctl.plugin.engine import PluginSettings
+
+
+def backend(topk, device="cuda", flag=False, kernel=True):
+    b = SimpleNamespace(topk=topk, device=device, use_verify_splitkv=flag)
+    if kernel:
+        b.verify_splitkv_fwd = lambda *a, **k: True
+    return b
+
+
+@pytest.mark.parametrize("b, on", [
+    (backend(1), True),                      # a topk-1 chain on CUDA: the causal split-KV kernel is exact
+    (backend(0), True),                      # a backend built without speculation (topk 0): decode never verifies
+    (backend(4), False),                     # a tree: not causal, the kernel would be wrong
+    (backend(1, device="cpu"), False),
+    (backend(1, kernel=False), False),       # a release without the kernel
+    (backend(None), False),
+    (backend(4, flag=True), True),           # SGLang's own choice (gfx95) is never taken back
+])
+def test_only_topk1_cuda_backends_get_the_split_kv_kernel(b, on):
+    assert sglang_hooks._after_triton_init(None, b) is None
+    assert b.use_verify_splitkv is on
+
+
+def test_settings_read_the_switch_and_refuse_nonsense():
+    assert PluginSettings.from_env({}).splitkv_verify is False
+    assert PluginSettings.from_env({"SPECCTL_SPLITKV_VERIFY": "on"}).splitkv_verify is True
+    with pytest.raises(ValueError, match="SPECCTL_SPLITKV_VERIFY"):
+        PluginSettings.from_env({"SPECCTL_SPLITKV_VERIFY": "maybe"})
+
+
+@pytest.mark.sglang
+def test_install_registers_the_hook_only_when_asked():
+    code = r"""
+import json, sys
+from sglang.srt.plugins.hook_registry import HookRegistry
+from specctl.plugin import sglang_hooks
+from specctl.plugin.engine import PluginSettings
+s = PluginSettings.from_env({"SPECCTL_SPLITKV_VERIFY": sys.argv[1], "SPECCTL_TELEMETRY": "none", "SPECCTL_POLICY": "none"})
+sglang_hooks.install(s)
+print(json.dumps(sorted(HookRegistry._hooks)))
+"""
+    target = sglang_hooks.SGLANG_TARGETS.triton_init
+    for v, want in (("on", True), ("off", False)):
+        p = subprocess.run([sys.executable, "-c", code, v], capture_output=True, text=True, timeout=120,
+                           env=dict(os.environ, PYTHONWARNINGS="ignore"))
+        assert p.returncode == 0, p.stderr[-2000:]
+        assert (target in json.loads(p.stdout.strip().splitlines()[-1])) is want
