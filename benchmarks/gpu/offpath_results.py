@@ -1,0 +1,136 @@
+"""The decode state's record (issue "plain decode at the speed of a server without speculation"), HERE, from
+run_bench.py outputs of one or more device calls:
+
+  python3 benchmarks/gpu/offpath_results.py OUT.json BENCH.json [BENCH.json ...] [--call "command" ...]
+
+Reads the run_bench rows of these policies (any call may hold any of them):
+  off                          -> no-spec                   (a server launched without speculation)
+  plugin-fixed:1:s3            -> the decode state          (the plugin holding "off" at every batch size)
+  plugin-fixed:1:s3+verify     -> SGLang's trivial verify   (the same, SPECCTL_PLAIN_DECODE=off)
+  static:sN, threshold:5:s3, sglang-adaptive, specctl       (sweep and phase rows, named as the issue names them)
+and writes: step_costs (median of the per-round Decode-batch step medians, per concurrency), sweep, phase_runs,
+identity (the decode state vs no-spec, greedy), resync (threshold:5:s3 probes, with and without
+SGLANG_SPEC_SKIP_ZERO_STEP_DRAFT_EXTEND), and targets (each figure against the issue's bound).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics as st
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from benchlib import parse_policy  # noqa: E402
+
+DECODE_STATE, TRIVIAL = "plugin-fixed:1:s3", "plugin-fixed:1:s3+verify"
+RESYNC, RESYNC_SKIP = "plugin-fixed:5:s3", "plugin-fixed:5:s3+skipde"
+
+
+def issue_name(pol: str) -> str:
+    """run_bench's policy -> the record's name (no-spec, static:sN, threshold:5:s3, sglang-adaptive, specctl)."""
+    if pol == "off":
+        return "no-spec"
+    p = parse_policy(pol)
+    if p["kind"] == "plugin-fixed" and pol.startswith("plugin-fixed:5:"):
+        return pol.replace("plugin-fixed:", "threshold:")  # the same threshold, decided by the plugin
+    return pol
+
+
+def _round_steps(row: dict) -> list[float]:
+    """The step time (ms) of each round of a run_bench row: Decode-batch medians at exactly c requests."""
+    per = row.get("repeats_step_ms") or [(row.get("log") or {}).get("step_ms_med")]
+    return [float(x) for x in per if x]
+
+
+def step_costs(runs: list[dict]) -> list[dict]:
+    by = {}
+    for r in runs:
+        if r["policy"] in ("off", DECODE_STATE, TRIVIAL):
+            by.setdefault(r["concurrency"], {})[r["policy"]] = _round_steps(r)
+    out = []
+    for c in sorted(by):
+        got = by[c]
+        med = {k: round(st.median(v), 4) if v else None for k, v in got.items()}
+        row = {"concurrency": c, "no_spec_ms": med.get("off"), "off_state_ms": med.get(DECODE_STATE),
+               "trivial_verify_ms": med.get(TRIVIAL), "rounds": min(len(v) for v in got.values()) if got else 0}
+        if row["no_spec_ms"] and row["off_state_ms"]:
+            row["off_state_vs_no_spec"] = round(row["off_state_ms"] / row["no_spec_ms"], 4)
+        if row["no_spec_ms"] and row["trivial_verify_ms"]:
+            row["trivial_verify_vs_no_spec"] = round(row["trivial_verify_ms"] / row["no_spec_ms"], 4)
+        out.append(row)
+    return out
+
+
+def build(benches: list[dict], calls: list[str]) -> dict:
+    first = benches[0]
+    runs = [r for b in benches for r in b.get("runs", [])]
+    phase = [r for b in benches for r in b.get("phase_runs", [])]
+    rec = {"gpu": first.get("gpu"), "sglang": first.get("sglang"), "attention_backend": "triton",
+           "model": first.get("model"), "draft": first.get("draft"), "calls": calls,
+           "step_costs": step_costs(runs),
+           "sweep": [{"concurrency": r["concurrency"], "policy": issue_name(r["policy"]),
+                      "output_tokens_per_s": r.get("output_tokens_per_s")}
+                     for r in runs if r["policy"] not in (DECODE_STATE, TRIVIAL)],
+           "phase_runs": [], "identity": None, "resync": None}
+    seen: dict[str, int] = {}
+    for r in phase:
+        name = issue_name(r["policy"])
+        seen[name] = seen.get(name, 0) + 1
+        rec["phase_runs"].append({"policy": name, "run": seen[name], "output_tokens_per_s": r.get("output_tokens_per_s"),
+                                  "median_tpot_ms": r.get("median_tpot_ms"),
+                                  "phases": [dict(p) for p in r.get("phases", [])]})
+    for b in benches:
+        ident = (b.get("identity") or {}).get(DECODE_STATE)
+        if ident:
+            rec["identity"] = {"prompts": ident["of"], "identical": ident["identical"],
+                               "first_divergence": ident.get("first_divergence", {}),
+                               "concurrency": b.get("identity_concurrency")}
+        rs = b.get("resync") or {}
+        if RESYNC in rs or RESYNC_SKIP in rs:
+            a, s = rs.get(RESYNC) or {}, rs.get(RESYNC_SKIP) or {}
+            rec["resync"] = {"accept_before": a.get("accept_before"), "accept_after": a.get("accept_after"),
+                             "accept_after_skip_control": s.get("accept_after"),
+                             "accept_before_skip_control": s.get("accept_before"),
+                             "off_stretch_s": a.get("off_stretch_s"), "details": rs}
+    rec["targets"] = targets(rec)
+    return rec
+
+
+def targets(rec: dict) -> dict:
+    """Each of the issue's bounds with the figure it is checked on (None where the figure is missing)."""
+    t = {"off_state_le_1.03x_no_spec": {str(r["concurrency"]): r.get("off_state_vs_no_spec") for r in rec["step_costs"]}}
+    env: dict[int, float] = {}
+    mine: dict[int, float] = {}
+    for r in rec["sweep"]:
+        v = r["output_tokens_per_s"] or 0.0
+        if r["policy"] == "no-spec" or r["policy"].startswith("static:"):
+            env[r["concurrency"]] = max(env.get(r["concurrency"], 0.0), v)
+        if r["policy"] == "specctl":
+            mine[r["concurrency"]] = v
+    t["sweep_specctl_vs_envelope_ge_0.98"] = {str(c): round(mine[c] / env[c], 4) for c in sorted(mine) if env.get(c)}
+    med = {}
+    for r in rec["phase_runs"]:
+        med.setdefault(r["policy"], []).append(r["output_tokens_per_s"] or 0.0)
+    med = {k: st.median(v) for k, v in med.items()}
+    if "specctl" in med:
+        t["phase_specctl_over"] = {k: round(med["specctl"] / v, 4) for k, v in med.items() if k != "specctl" and v}
+    if rec["identity"]:
+        t["identity"] = f"{rec['identity']['identical']}/{rec['identity']['prompts']}"
+    return t
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("out")
+    ap.add_argument("bench", nargs="+")
+    ap.add_argument("--call", action="append", default=[])
+    a = ap.parse_args()
+    rec = build([json.load(open(f)) for f in a.bench], a.call)
+    with open(a.out, "w") as f:
+        json.dump(rec, f, indent=1)
+    print(json.dumps(rec["targets"], indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,80 @@
+"""The decode state's GPU testbed helpers: +verify policies, the resync probe's window arithmetic, and
+the record built from run_bench outputs (benchmarks/gpu/offpath_results.py)."""
+
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "gpu"))
+import benchlib as B  # noqa: E402
+import offpath_results as O  # noqa: E402
+
+
+@pytest.mark.parametrize("pol, plain_off, skip", [
+    ("plugin-fixed:1:s3", False, False),
+    ("plugin-fixed:1:s3+verify", True, False),
+    ("plugin-fixed:5:s3+skipde+verify", True, True),
+    ("plugin-fixed:5:s3+verify+skipde", True, True),
+    ("specctl+verify", True, False),
+])
+def test_verify_suffix_turns_the_decode_state_off_on_plugin_servers(pol, plain_off, skip):
+    _, env, _ = B.policy_launch_args(pol, "/d")
+    assert (env.get("SPECCTL_PLAIN_DECODE") == "off") is plain_off
+    assert (env.get("SGLANG_SPEC_SKIP_ZERO_STEP_DRAFT_EXTEND") == "1") is skip
+
+
+@pytest.mark.parametrize("pol", ["off+verify", "static:s3+verify", "threshold:5:s3+verify", "sglang-adaptive+verify"])
+def test_verify_suffix_needs_the_plugin(pol):
+    with pytest.raises(ValueError, match="plugin"):
+        B.parse_policy(pol)
+
+
+def test_tail_accept_pools_the_same_windows():
+    import run_bench as RB
+    a = [(0, 0), (100, 50), (200, 80), (300, 100)]
+    b = [(0, 0), (150, 100), (300, 200)]
+    # from 200 tokens: a gives (300-200)/(100-80); b's first point at >= 200 is 300: an empty window
+    assert RB.tail_accept([a, b], [200, 200]) == pytest.approx(100 / 20)
+    assert RB.tail_accept([a, b], [100, 150]) == pytest.approx((200 + 150) / (50 + 100), abs=1e-4)
+    assert RB.tail_accept([a], [400]) is None and RB.tail_accept([[]], [0]) is None
+
+
+def _row(pol, c, steps, tok_s=1000.0):
+    return {"policy": pol, "concurrency": c, "output_tokens_per_s": tok_s, "median_tpot_ms": 5.0,
+            "repeats_step_ms": steps, "log": {"step_ms_med": steps[0] if steps else None}}
+
+
+def test_record_has_the_issue_fields_and_checks_the_targets():
+    bench1 = {"gpu": "NVIDIA H200", "sglang": "0.5.17", "model": "m", "draft": "d", "identity_concurrency": 1,
+              "runs": [_row("off", 1, [6.0, 6.2, 6.1]), _row(O.DECODE_STATE, 1, [6.3, 6.2, 6.4]),
+                       _row(O.TRIVIAL, 1, [7.8, 7.9, 7.7]), _row("off", 64, [8.0, 8.1, 7.9]),
+                       _row(O.DECODE_STATE, 64, [8.5, 8.4]), _row(O.TRIVIAL, 64, [12.6, 12.5, 12.7])],
+              "phase_runs": [], "identity": {O.DECODE_STATE: {"identical": 16, "of": 16, "first_divergence": {}},
+                                             "off": {"identical": 16, "of": 16, "first_divergence": {}}},
+              "resync": {O.RESYNC: {"accept_before": 1.8, "accept_after": 1.79, "off_stretch_s": 35.0},
+                         O.RESYNC_SKIP: {"accept_before": 1.81, "accept_after": 1.05}}}
+    bench2 = {"runs": [_row("off", 8, [], 900.0), _row("static:s3", 8, [], 1100.0), _row("specctl", 8, [], 1090.0)],
+              "phase_runs": [{"policy": p, "output_tokens_per_s": v, "median_tpot_ms": 7.0, "phases": []}
+                             for p, v in (("specctl", 2000), ("off", 1900), ("threshold:5:s3", 1700),
+                                          ("specctl", 2100), ("off", 1950), ("sglang-adaptive", 1600))]}
+    rec = O.build([bench1, bench2], ["call C", "call D"])
+    for k in ("gpu", "sglang", "attention_backend", "model", "step_costs", "sweep", "phase_runs", "identity", "resync"):
+        assert k in rec
+    sc = {r["concurrency"]: r for r in rec["step_costs"]}
+    assert sc[1] == {"concurrency": 1, "no_spec_ms": 6.1, "off_state_ms": 6.3, "trivial_verify_ms": 7.8, "rounds": 3,
+                     "off_state_vs_no_spec": round(6.3 / 6.1, 4), "trivial_verify_vs_no_spec": round(7.8 / 6.1, 4)}
+    assert sc[64]["rounds"] == 2  # the fewest rounds any of the three servers ran
+    assert {r["policy"] for r in rec["sweep"]} == {"no-spec", "static:s3", "specctl"}
+    assert rec["identity"] == {"prompts": 16, "identical": 16, "first_divergence": {}, "concurrency": 1}
+    assert rec["resync"]["accept_after_skip_control"] == 1.05 and rec["resync"]["accept_after"] == 1.79
+    assert [r["run"] for r in rec["phase_runs"] if r["policy"] == "specctl"] == [1, 2]
+    t = rec["targets"]
+    assert t["sweep_specctl_vs_envelope_ge_0.98"] == {"8": round(1090 / 1100, 4)}
+    assert t["phase_specctl_over"]["no-spec"] == round(2050 / 1925, 4)
+    assert t["identity"] == "16/16"
+
+
+def test_plugin_threshold_servers_are_named_as_the_threshold_they_run():
+    assert O.issue_name("plugin-fixed:5:s3") == "threshold:5:s3"
+    assert O.issue_name("off") == "no-spec" and O.issue_name("static:s2") == "static:s2"
