@@ -24,16 +24,20 @@ from . import wire
 @click.option("--fallback-threshold", type=int, default=launch_args.DEFAULT_THRESHOLD, show_default=True)
 @click.option("--fallback-config", default="s3", show_default=True,
               help="fixed-threshold fallback's configuration below the threshold (a tree is allowed)")
+@click.option("--plain-decode/--no-plain-decode", default=True, show_default=True,
+              help="speculation off as a true decode forward (the plugin's decode state: decode CUDA graphs "
+                   "captured at start-up), or SGLang's 1-token verify")
 @click.option("--json", "as_json", is_flag=True, help="machine-readable output")
 def sglang_args(configs: str, initial_steps, algorithm, config_path, server_id, mode, rundir,
-                fallback_threshold, fallback_config, as_json) -> None:
+                fallback_threshold, fallback_config, plain_decode, as_json) -> None:
     """Print the --speculative-adaptive-config JSON and the launch flags for SGLang."""
     try:
         cands = [wire.parse_config(c).key for c in configs.split(",") if c.strip()]
         args = launch_args.build(cands, algorithm=algorithm, initial_steps=initial_steps,
                                  config_path=config_path, server_id=server_id, mode=mode, rundir=rundir,
                                  fallback_threshold=fallback_threshold,
-                                 fallback_config=wire.parse_config(fallback_config).key)
+                                 fallback_config=wire.parse_config(fallback_config).key,
+                                 plain_decode=plain_decode)
     except ValueError as e:
         raise click.UsageError(str(e)) from None
     if as_json:

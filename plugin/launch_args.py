@@ -35,6 +35,15 @@ SIZING_SLOT = "1000000"  # a batch size no server reaches: its candidate steps o
 MAX_TREE_TOKENS = 64
 
 
+# what the decode state (plugin/plain_decode.py) costs and how to turn it off, as `specctl sglang-args` says it
+PLAIN_DECODE_NOTE = (
+    "speculation off runs specctl's decode state: the target decodes through DECODE CUDA graphs the plugin "
+    "captures at start-up beside SGLang's (one more set of decode graphs and an attention backend; the "
+    "scheduler log says once what it took: 'specctl: decode state built: ... GB, ... s'); "
+    "SPECCTL_PLAIN_DECODE=off keeps SGLang's steps-0 state (a 1-token verify, 1.27-1.57x a decode step on "
+    "the H200 testbed)")
+
+
 @dataclass(frozen=True)
 class LaunchArgs:
     adaptive_config: dict[str, Any]
@@ -46,7 +55,9 @@ class LaunchArgs:
         cfg = json.dumps(self.adaptive_config)
         env = " ".join(f"{k}={shlex.quote(v)}" for k, v in self.env.items())
         flags = " ".join(shlex.quote(f) for f in self.flags)
-        return (f"# set MODEL and DRAFT (its EAGLE-3 draft model); add your other server flags\n"
+        plain = ("# " + ("SPECCTL_PLAIN_DECODE=off: speculation off is SGLang's 1-token verify"
+                         if self.env.get("SPECCTL_PLAIN_DECODE") == "off" else PLAIN_DECODE_NOTE) + "\n")
+        return (f"# set MODEL and DRAFT (its EAGLE-3 draft model); add your other server flags\n{plain}"
                 f"cat > {shlex.quote(self.config_path)} <<'JSON'\n{cfg}\nJSON\n"
                 f'{env} {launcher} --model-path "$MODEL" --speculative-draft-model-path "$DRAFT" {flags}\n')
 
@@ -114,7 +125,7 @@ def build(candidates: Sequence[Config] = DEFAULT_CANDIDATES, *, algorithm: str =
           initial_steps: Optional[int] = None, config_path: str = "specctl-adaptive.json",
           server_id: str = "sglang-0", mode: str = "online", rundir: Optional[str] = None,
           fallback_threshold: int = DEFAULT_THRESHOLD, fallback_config: Config = DEFAULT_CONFIG,
-          ) -> LaunchArgs:
+          plain_decode: bool = True) -> LaunchArgs:
     cands = [tuple(c) for c in candidates]
     trees = {c[0]: c for c in cands if c[0] > 0 and c[1] > 1}
     if fallback_config[0] not in trees and tuple(fallback_config) not in cands:
@@ -152,6 +163,8 @@ def build(candidates: Sequence[Config] = DEFAULT_CANDIDATES, *, algorithm: str =
         env["SPECCTL_FALLBACK_THRESHOLD"] = str(fallback_threshold)
     if tuple(fallback_config) != DEFAULT_CONFIG:
         env["SPECCTL_FALLBACK_CONFIG"] = ",".join(map(str, fallback_config))
+    if not plain_decode:
+        env["SPECCTL_PLAIN_DECODE"] = "off"
     # one slot from batch 1 up: every candidate is reachable (and CUDA-graph captured) at every size
     cfg: dict[str, Any] = {"1": {"candidate_steps": steps}}
     if trees:

@@ -90,3 +90,13 @@ def test_cli_prints_a_tree_launch():
     assert r.exit_code == 0, r.output
     obj = json.loads(r.output)
     assert obj["adaptive_config"]["specctl"] == {"states": {"2": [2, 4, 16]}}
+
+
+def test_cli_says_what_the_decode_state_costs_and_how_to_turn_it_off():
+    r = CliRunner().invoke(sglang_args, ["--configs", "off,s1,s3"])
+    assert r.exit_code == 0 and "decode state" in r.output and "SPECCTL_PLAIN_DECODE=off" in r.output
+    assert "SPECCTL_PLAIN_DECODE=off python" not in r.output  # on by default: nothing in the environment
+    r = CliRunner().invoke(sglang_args, ["--configs", "off,s1,s3", "--no-plain-decode"])
+    assert r.exit_code == 0 and "SPECCTL_PLAIN_DECODE=off " in r.output.splitlines()[-1]
+    r = CliRunner().invoke(sglang_args, ["--configs", "off,s1,s3", "--no-plain-decode", "--json"])
+    assert json.loads(r.output)["env"]["SPECCTL_PLAIN_DECODE"] == "off"
