@@ -542,7 +542,7 @@ def plot(results: Sequence[SimResult], path: str | Path, title: str = "", subtit
         fig.tight_layout(rect=(0, 0, 1, 0.94))
     else:
         fig.tight_layout()
-    fig.savefig(str(path), dpi=110)
+    fig.savefig(str(path), dpi=110, bbox_inches="tight")  # the legend sits outside the axes
     plt.close(fig)
 
 
