@@ -523,7 +523,7 @@ def plot(results: Sequence[SimResult], path: str | Path, title: str = "", subtit
     who = ("specctl's live run" if subject.policy == "adaptive-live" else
            "specctl's run" if subject.policy.startswith("adaptive") else f"the {subject.policy} run")
     ax3.set_title(f"Load: requests in the running batch during {who} (in a closed loop, about the same "
-                  "under every policy)", fontsize=9, loc="left")
+                  "under every policy); the workload's phases are named at the top", fontsize=9, loc="left")
     ax3.set_ylabel("batch size")
     ax3.set_ylim(0, 1.4 * max(1, int(subject.trace_bs.max()) if len(subject.trace_bs) else 1))
     ax3.set_xlabel("time into the workload (s)")
@@ -534,7 +534,7 @@ def plot(results: Sequence[SimResult], path: str | Path, title: str = "", subtit
             ax.axvline(e, color="lightgrey", lw=0.8, zorder=0)
         ax.grid(alpha=0.3)
     for s0, e, ph in zip(starts, ends, subject.phases):
-        ax3.annotate(f"phase {ph.name}", (0.5 * (s0 + e), 1.0), xycoords=("data", "axes fraction"), xytext=(0, -2),
+        ax3.annotate(ph.name, (0.5 * (s0 + e), 1.0), xycoords=("data", "axes fraction"), xytext=(0, -2),
                      textcoords="offset points", ha="center", va="top", fontsize=7.5, color="dimgrey")
     fig.suptitle(title or f"{subject.workload} on {subject.profile}")
     if subtitle:
