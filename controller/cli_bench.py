@@ -13,8 +13,22 @@ from typing import Any, Optional
 
 import click
 
-DEMO_PROFILE = "dense-8b-h200"
-DEMO_WORKLOAD = "demo"
+# the situation specctl exists for: a 1T INT4 MoE served TP8 over PCIe, where an operator
+# hand-picked "speculation off from batch 5", on traffic whose load and acceptance change
+DEMO_PROFILE = "moe-1t-int4-tp8-pcie"
+DEMO_WORKLOAD = "code-chat-ramp"
+OPERATOR_THRESHOLD = 5
+
+
+def _shipped(kind: str) -> str:
+    # names for --help, without importing the simulator (numpy) on every `specctl` invocation
+    from importlib import resources
+
+    try:
+        d = resources.files("specctl.training").joinpath("data", kind)
+        return ", ".join(sorted(e.name[:-5] for e in d.iterdir() if e.name.endswith(".json")))
+    except (ModuleNotFoundError, OSError):
+        return "see `specctl bench sim --list`"
 
 
 def _quiet_engine_logs() -> None:
@@ -23,6 +37,7 @@ def _quiet_engine_logs() -> None:
     if logging.getLogger().getEffectiveLevel() > logging.DEBUG:
         for name in ("specctl.plugin", "specctl.service"):
             logging.getLogger(name).setLevel(logging.ERROR)
+        logging.getLogger("matplotlib").setLevel(logging.WARNING)  # its font-cache notice on a first plot
 
 
 def _load(profile: str, workload: str):
@@ -190,15 +205,23 @@ def _run_live(profile: Any, workload: Any, telemetry: str, policy_ep: str, *, se
 
 @click.command()
 @click.option("--profile", "profile_name", default=DEMO_PROFILE, show_default=True,
-              help="Cost profile (file or shipped name).")
+              help=f"Cost profile: a JSON file or a shipped name ({_shipped('profiles')}).")
 @click.option("--workload", "workload_name", default=DEMO_WORKLOAD, show_default=True,
-              help="Workload (file or shipped name); about 25 s long by default.")
+              help=f"Workload: a JSON file or a shipped name ({_shipped('workloads')}); the live part "
+                   "runs for as long as the workload lasts (the default: 40 s).")
 @click.option("--plot", "plot_out", default="specctl-demo.png", show_default=True,
               type=click.Path(dir_okay=False), help="Where to write the PNG.")
 @click.option("--json", "json_out", type=click.Path(dir_okay=False), help="Also write the JSON record.")
 def demo(profile_name: str, workload_name: str, plot_out: str, json_out: Optional[str]) -> None:
-    """Start `specctl serve`, drive a simulated SGLang engine against it over ZeroMQ for ~25 s, then
-    compare with static baselines and write a PNG. Needs no GPU."""
+    """Start `specctl serve`, drive a simulated SGLang engine against it over ZeroMQ for the length of
+    the workload, then compare it, on the same seeded workload, with an operator's hand-picked
+    threshold (speculation below batch 5, plain decode from 5), SGLang's built-in adaptive policy,
+    speculation off, every static configuration and the oracle; print one verdict line and write a
+    PNG. Needs no GPU.
+
+    By default: a 1T-parameter INT4 MoE served TP8 over PCIe (moe-1t-int4-tp8-pcie) on code traffic
+    ramping up, a mixed surge and chat ramping down (code-chat-ramp). The dense 8B profile of earlier
+    demos: --profile dense-8b-h200 --workload demo."""
     from ..controller.daemon import wait_for_status
     from ..training import simbench
 
@@ -236,15 +259,27 @@ def demo(profile_name: str, workload_name: str, plot_out: str, json_out: Optiona
                 proc.kill()
     click.echo("\nsame workload, same seed, on the simulator's virtual clock:")
     names = ["off"] + [f"static:{n}" for n, c in zip(profile.config_names, profile.configs) if c[0] > 0]
+    operator = None
+    if profile.off_index is not None:
+        fb = simbench._fallback_config(profile)
+        if fb[0] > 0:
+            operator = f"threshold:{OPERATOR_THRESHOLD}:{simbench.config_label(profile, fb)}"
+            names.append(operator)
     names += ["sglang-ema", "adaptive", "oracle"]
     rep = simbench.run_bench(profile, workload, names, search=False)
     rep.results.insert(len(rep.results) - 1, live)
     rep.labels.insert(len(rep.labels) - 1, "adaptive over live ZeroMQ against specctl serve")
     click.echo(simbench.format_report(rep))
+    line = simbench.verdict(rep, live.policy, operator or "off", label="specctl (live, against specctl serve)")
+    click.echo("\n" + line)
     if json_out:
-        simbench.write_json(rep, json_out, {"command": "specctl demo"})
+        simbench.write_json(rep, json_out, {"command": "specctl demo"
+                                            + (f" --profile {profile_name}" if profile_name != DEMO_PROFILE else "")
+                                            + (f" --workload {workload_name}" if workload_name != DEMO_WORKLOAD else ""),
+                                            "verdict": line})
     try:
-        simbench.plot(rep.results, plot_out, title=f"specctl demo: {workload.name} on {profile.name}")
+        simbench.plot(rep.results, plot_out, title=f"specctl demo: workload {workload.name} on {profile.name}",
+                      subtitle=line)
         click.echo(f"\nwrote {plot_out}")
     except RuntimeError as e:
         click.echo(f"\n(no plot: {e})")

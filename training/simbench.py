@@ -413,6 +413,58 @@ def format_report(rep: BenchReport) -> str:
     return "\n".join(lines)
 
 
+def verdict(rep: BenchReport, subject: str, operator: str, label: Optional[str] = None) -> str:
+    """One line: `subject`'s tokens/s as a ratio of the operator's policy, sglang-ema, off, the best
+    static (the best of `off` and the `static:*` rows present) and the oracle, whichever are present;
+    `label` names the subject (default: its policy name)."""
+    by = {r.policy: r for r in rep.results}
+    me = by[subject]
+    statics = [r for r in rep.results if r.policy == "off" or r.policy.startswith("static:")]
+    best = max(statics, key=lambda r: r.tokens_per_s, default=None)
+    refs = [(f"the operator's {operator}", by.get(operator)), ("sglang-ema", by.get("sglang-ema")),
+            ("off", by.get("off")), (f"the best static ({best.policy})" if best else "", best),
+            ("the oracle", by.get("oracle"))]
+    parts = [f"{me.tokens_per_s / r.tokens_per_s:.3f}x {label}" for label, r in refs
+             if r is not None and r.tokens_per_s > 0]
+    return f"verdict: {label or subject} {me.tokens_per_s:.1f} tok/s = " + ", ".join(parts)
+
+
+def _config_words(cfg: str) -> str:
+    if cfg.lower() == "off":
+        return "plain decode"
+    if cfg[:1] == "s" and cfg[1:].isdigit():
+        return f"{cfg[1:]} draft step{'s' if cfg[1:] != '1' else ''} ({cfg})"
+    return cfg
+
+
+def describe_policy(name: str) -> str:
+    """A plot legend's words for a policy name."""
+    pn = name.split("=", 1)[1] if name.startswith(("best-static=", "best-threshold=")) else name
+    head, _, rest = pn.partition(":")
+    if head == "off":
+        text = "off: plain decode (no speculation)"
+    elif head == "static":
+        text = f"static:{rest}: always {_config_words(rest)}"
+    elif head == "threshold":
+        n, _, cfg = rest.partition(":")
+        text = f"threshold:{n}:{cfg}: {_config_words(cfg)} below batch {n}, plain decode from {n}"
+    elif head == "sglang-ema":
+        text = "sglang-ema: SGLang's built-in --speculative-adaptive"
+    elif head == "oracle":
+        text = "oracle: best config each step, knowing true acceptance"
+    elif name == "adaptive-live":
+        text = "specctl live: engine + `specctl serve` over ZeroMQ"
+    elif head == "adaptive":
+        text = f"specctl ({name}) on the virtual clock"
+    else:
+        text = name
+    if name.startswith("best-static="):
+        text = "best static = " + text
+    elif name.startswith("best-threshold="):
+        text = "best threshold = " + text
+    return text
+
+
 def write_json(rep: BenchReport, path: str | Path, extra: Optional[dict[str, Any]] = None) -> None:
     obj = rep.to_obj()
     if extra:
@@ -420,8 +472,10 @@ def write_json(rep: BenchReport, path: str | Path, extra: Optional[dict[str, Any
     Path(path).write_text(json.dumps(obj, indent=1) + "\n")
 
 
-def plot(results: Sequence[SimResult], path: str | Path, title: str = "") -> None:
-    """Decisions (mean draft steps) and throughput over time, one line per policy."""
+def plot(results: Sequence[SimResult], path: str | Path, title: str = "", subtitle: str = "") -> None:
+    """Three panels over the workload's time: each policy's throughput, each policy's decisions
+    (draft steps; 0 = plain decode), and the running batch of specctl's run (the first result if
+    there is none)."""
     try:
         import matplotlib
 
@@ -436,7 +490,7 @@ def plot(results: Sequence[SimResult], path: str | Path, title: str = "") -> Non
     edges = np.linspace(0.0, dur, nbins + 1)
     mid = 0.5 * (edges[1:] + edges[:-1])
     width = edges[1] - edges[0]
-    fig, (ax1, ax2, ax3) = plt.subplots(3, 1, figsize=(11, 8.5), sharex=True,
+    fig, (ax1, ax2, ax3) = plt.subplots(3, 1, figsize=(14, 9.5), sharex=True,
                                         gridspec_kw={"height_ratios": [3, 2, 1.2]})
     for ax in (ax1, ax2):
         ax.set_prop_cycle(color=plt.cm.tab20.colors[::2] + plt.cm.tab20.colors[1::2])
@@ -448,26 +502,47 @@ def plot(results: Sequence[SimResult], path: str | Path, title: str = "") -> Non
         mean_steps = np.where(cnt > 0, np.bincount(idx, weights=steps_arr, minlength=nbins) / np.maximum(cnt, 1), np.nan)
         style = {"lw": 2.2, "color": "black", "ls": ":" if "live" in r.policy else "-"} if r.policy.startswith("adaptive") else (
             {"lw": 1.0, "ls": "--", "color": "grey"} if r.policy == "oracle" else {"lw": 1.0})
-        ax1.plot(mid, tok, label=f"{r.policy} ({r.tokens_per_s:.0f} tok/s)", **style)
+        ax1.plot(mid, tok, label=f"{describe_policy(r.policy)}  [{r.tokens_per_s:.0f} tok/s]", **style)
         ax2.plot(mid, mean_steps, **style)
-    r0 = results[0]
-    idx = np.clip(np.searchsorted(edges, r0.trace_t, side="right") - 1, 0, nbins - 1)
+    subject = next((r for r in results if r.policy == "adaptive-live"),
+                   next((r for r in results if r.policy.startswith("adaptive")), results[0]))
+    idx = np.clip(np.searchsorted(edges, subject.trace_t, side="right") - 1, 0, nbins - 1)
     cnt = np.bincount(idx, minlength=nbins)
-    ax3.plot(mid, np.where(cnt > 0, np.bincount(idx, weights=r0.trace_bs, minlength=nbins) / np.maximum(cnt, 1), np.nan),
-             color="tab:purple")
+    ax3.plot(mid, np.where(cnt > 0, np.bincount(idx, weights=subject.trace_bs, minlength=nbins) / np.maximum(cnt, 1),
+                           np.nan), color="tab:purple")
+    ax1.set_title("Throughput: output tokens/s of each policy, per time bin (higher is better)",
+                  fontsize=9, loc="left")
     ax1.set_ylabel("output tokens/s")
-    ax1.legend(fontsize=7, ncol=2, loc="best")
-    ax2.set_ylabel("draft steps\n(mean per step)")
-    ax3.set_ylabel(f"batch size\n({r0.policy})")
-    ax3.set_xlabel("virtual time (s)")
-    ends = np.cumsum([p.duration_s for p in r0.phases])[:-1]
+    ax1.legend(fontsize=7.5, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0,
+               title="policy (what it does)  [whole-run tok/s]", title_fontsize=7.5)
+    max_steps = max(max(r.config_steps) for r in results)
+    ax2.set_title("Decisions: EAGLE-3 draft steps per decode step, mean over each time bin "
+                  "(0 = plain decode, no speculation)", fontsize=9, loc="left")
+    ax2.set_ylabel("draft steps")
+    ax2.set_ylim(-0.2, max_steps + 0.2)
+    who = ("specctl's live run" if subject.policy == "adaptive-live" else
+           "specctl's run" if subject.policy.startswith("adaptive") else f"the {subject.policy} run")
+    ax3.set_title(f"Load: requests in the running batch during {who} (in a closed loop, about the same "
+                  "under every policy); the workload's phases are named at the top", fontsize=9, loc="left")
+    ax3.set_ylabel("batch size")
+    ax3.set_ylim(0, 1.4 * max(1, int(subject.trace_bs.max()) if len(subject.trace_bs) else 1))
+    ax3.set_xlabel("time into the workload (s)")
+    ends = np.cumsum([p.duration_s for p in subject.phases])
+    starts = np.concatenate([[0.0], ends[:-1]])
     for ax in (ax1, ax2, ax3):
-        for e in ends:
+        for e in ends[:-1]:
             ax.axvline(e, color="lightgrey", lw=0.8, zorder=0)
         ax.grid(alpha=0.3)
-    fig.suptitle(title or f"{r0.workload} on {r0.profile}")
-    fig.tight_layout()
-    fig.savefig(str(path), dpi=110)
+    for s0, e, ph in zip(starts, ends, subject.phases):
+        ax3.annotate(ph.name, (0.5 * (s0 + e), 1.0), xycoords=("data", "axes fraction"), xytext=(0, -2),
+                     textcoords="offset points", ha="center", va="top", fontsize=7.5, color="dimgrey")
+    fig.suptitle(title or f"{subject.workload} on {subject.profile}")
+    if subtitle:
+        fig.text(0.5, 0.945, subtitle, ha="center", va="top", fontsize=8)
+        fig.tight_layout(rect=(0, 0, 1, 0.94))
+    else:
+        fig.tight_layout()
+    fig.savefig(str(path), dpi=110, bbox_inches="tight")  # the legend sits outside the axes
     plt.close(fig)
 
 

@@ -1,10 +1,10 @@
 """Replay recorded GPU telemetry (a run_bench/specctl_e2e archive) through the real ControllerService on the
 frames' own clock and list the policy versions it would publish.
 
-  python3 benchmarks/gpu/replay_versions.py ARCHIVE.tar.xz MEMBER_SUBSTRING ['{"setting": value}']
+  python3 benchmarks/gpu/replay_versions.py ARCHIVE.tar[.xz] MEMBER_SUBSTRING ['{"setting": value}']
 The settings are ServiceSettings fields, and "tick_s": how often the service ticks (default 1 s; the
 daemon polls every 50 ms, so 0.05 replays it as it runs, prompt refits included).
-e.g. benchmarks/gpu/logs/2026-11-30/call6-sweep-online-overhead/g0.tar.xz specctl-specctl/telemetry
+e.g. benchmarks/gpu/logs/2026-11-30/call6-sweep-online-overhead/g0-telemetry.tar specctl-specctl/telemetry
 """
 import gzip, io, json, sys, tarfile
 from specctl.controller.service import ControllerService, ServiceSettings

@@ -159,7 +159,7 @@ def test_replay_versions_on_the_committed_gpu_telemetry():
     import subprocess
 
     root = os.path.join(os.path.dirname(__file__), "..", "..")
-    arch = os.path.join(root, "benchmarks", "gpu", "logs", "2026-11-30", "call6-sweep-online-overhead", "g0.tar.xz")
+    arch = os.path.join(root, "benchmarks", "gpu", "logs", "2026-11-30", "call6-sweep-online-overhead", "g0-telemetry.tar")
     r = subprocess.run([sys.executable, os.path.join(root, "benchmarks", "gpu", "replay_versions.py"), arch,
                         "specctl-specctl/telemetry"], check=True, capture_output=True, text=True, timeout=300)
     first = r.stdout.splitlines()[0]

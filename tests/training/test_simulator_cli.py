@@ -58,3 +58,58 @@ def test_bench_sim_bad_file_is_a_message(tmp_path):
     res = CliRunner().invoke(main, ["bench", "sim", "--profile", "dense-8b-h200", "--workload", str(bad)])
     assert res.exit_code == 2
     assert "phases[0] needs exactly one of 'concurrency' (closed loop) or 'arrival_rate'" in res.output
+
+
+# --------------------------------------------------------------------------- specctl demo
+
+
+def test_demo_help_names_the_default_scenario_and_the_shipped_files():
+    res = CliRunner().invoke(main, ["demo", "--help"], terminal_width=400)
+    assert res.exit_code == 0, res.output
+    text = " ".join(res.output.split())
+    assert "[default: moe-1t-int4-tp8-pcie]" in text and "[default: code-chat-ramp]" in text
+    for name in ("dense-8b-h200", "h200-smollm2-135m", "stationary-low", "demo"):
+        assert name in text  # the other shipped profiles and workloads are listed
+
+
+@pytest.mark.slow
+def test_demo_runs_live_and_says_one_verdict_against_the_operators_threshold(tmp_path, workload):
+    # the short two-phase workload above, on the default MoE profile: the real daemon comes up,
+    # the live engine runs 8 s against it, the virtual-clock baselines follow
+    out, png = tmp_path / "d.json", tmp_path / "d.png"
+    res = CliRunner().invoke(main, ["demo", "--workload", str(workload), "--plot", str(png), "--json", str(out)])
+    assert res.exit_code == 0, res.output
+    verdicts = [ln for ln in res.output.splitlines() if ln.startswith("verdict:")]
+    assert len(verdicts) == 1, res.output
+    v = verdicts[0]
+    for ref in ("x the operator's threshold:5:s3", "x sglang-ema", "x off", "x the best static (", "x the oracle"):
+        assert ref in v, v
+    rec = json.loads(out.read_text())
+    by = {r["policy"]: r for r in rec["results"]}
+    assert {"off", "static:s1", "static:s2", "static:s3", "threshold:5:s3", "sglang-ema", "adaptive",
+            "adaptive-live", "oracle"} == set(by)
+    assert rec["profile"] == "moe-1t-int4-tp8-pcie" and rec["verdict"] == v
+    live = by["adaptive-live"]["tokens_per_s"]
+    assert live > 0 and by["adaptive-live"]["num_steps"] > 20  # it did decode, paced to the wall clock
+    ratio = live / by["threshold:5:s3"]["tokens_per_s"]
+    assert f"{ratio:.3f}x the operator's threshold:5:s3" in v  # the line states the record's figures
+    assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_verdict_states_every_ratio_and_legends_say_what_a_policy_does():
+    from specctl.training import simbench
+    from specctl.training.simulator import load_profile, parse_workload
+
+    prof, wl = load_profile("moe-1t-int4-tp8-pcie"), parse_workload(WORKLOAD)
+    rep = simbench.run_bench(prof, wl, ["off", "static:s1", "static:s3", "threshold:5:s3", "oracle"], search=False)
+    by = {r.policy: r.tokens_per_s for r in rep.results}
+    v = simbench.verdict(rep, "threshold:5:s3", "threshold:5:s3", label="X")
+    best = max(("off", "static:s1", "static:s3"), key=by.get)
+    assert v.startswith(f"verdict: X {by['threshold:5:s3']:.1f} tok/s = 1.000x the operator's threshold:5:s3, ")
+    assert f"{by['threshold:5:s3'] / by['off']:.3f}x off" in v
+    assert f"{by['threshold:5:s3'] / by[best]:.3f}x the best static ({best})" in v
+    assert "sglang-ema" not in v  # a reference that did not run is left out, not invented
+    assert simbench.describe_policy("off") == "off: plain decode (no speculation)"
+    assert simbench.describe_policy("threshold:5:s3") == \
+        "threshold:5:s3: 3 draft steps (s3) below batch 5, plain decode from 5"
+    assert simbench.describe_policy("best-static=static:s1") == "best static = static:s1: always 1 draft step (s1)"
