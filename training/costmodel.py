@@ -629,6 +629,14 @@ class CostModel:
                 out.update(f.bands)
         return sorted(out)
 
+    def ctx_band_samples(self) -> dict[int, float]:
+        """Decayed steady step times per power-of-2 band of mean context, all configurations."""
+        f = self._now_factor()
+        out: dict[int, float] = {}
+        for (_, k), w in self.ctx_band_w_.items():
+            out[k] = out.get(k, 0.0) + w * f
+        return out
+
     def ctx_trusted(self, c: Config, band: int) -> bool:
         """Whether c's step time at that context band rests on measurements at most one band
         (a factor of 2) away: a slope carries a prediction that far, not further."""
