@@ -349,7 +349,7 @@ class ControllerService:
         return changed
 
     def ctx_bands(self, options: list[cmpolicy.Option], table: PolicyTable,
-                  previous: Optional[PolicyTable] = None) -> tuple[Band, ...]:
+                  previous: Optional[PolicyTable] = None, *, z: Optional[float] = None) -> tuple[Band, ...]:
         """The table per band of mean context per request, where step time depends on the context.
 
         Bands are powers of 2 of the mean context (policies.table.ctx_band_index), from the lowest to
@@ -361,7 +361,8 @@ class ControllerService:
         `table`'s choice stays. Neighbouring bands with the same rows are one band; the lowest is
         extended down to 0 and the highest up without bound. Nothing (one table for any context)
         when the telemetry carries no ctx_tokens, no configuration's step time depends on it, or all
-        bands choose alike. `self.band_summary` keeps what `policy show` prints per band."""
+        bands choose alike. `self.band_summary` keeps what `policy show` prints per band. `z`: the
+        tolerance's standard errors, if not `switch_z` (`specctl train` chooses with 0)."""
         self.band_summary: list[dict[str, Any]] = []
         if not self.settings.ctx_axis or not options or not self.model.has_ctx():
             return ()
@@ -371,7 +372,7 @@ class ControllerService:
         seen = sorted(k for k, n in traffic.items() if n >= self.settings.min_region_samples)
         if not seen:
             return ()
-        z = self.settings.switch_z
+        z = self.settings.switch_z if z is None else z
         tau_log_var = self.model.tau_log_diff_var([o.config for o in options]) if z > 0 else None
         b = np.arange(1, len(options[0].step_ms) + 1)
         per_band: list[tuple[int, int, tuple[Row, ...], float, list[cmpolicy.Option]]] = []
