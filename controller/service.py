@@ -311,6 +311,7 @@ class ControllerService:
             explore = self._without_decided(explore, derived, options)
             explore = self._with_acceptance_probes(explore, derived, options)
             explore = self._with_refresh_rows(explore, derived, options)
+            explore = self._with_ctx_explore_rows(explore, options)
             challenge = self._challenge_rows(derived, options)
             bands = self.ctx_bands(options, derived, current if self.policy.source == "online" else None)
             table = PolicyTable(rows=derived.rows, explore=explore,
@@ -575,6 +576,36 @@ class ControllerService:
         if not extra:
             return rows
         return tuple(sorted(list(rows) + extra, key=lambda r: (r.min_batch, r.config))[:MAX_EXPLORE_ROWS])
+
+    def _with_ctx_explore_rows(self, rows: tuple[Row, ...], options: list[cmpolicy.Option]) -> tuple[Row, ...]:
+        """Where step time depends on the context, measure every configuration in every context band
+        the traffic visits, region by region. A table per band runs a configuration only in the
+        bands it wins, so without this a configuration that loses at short contexts is never
+        measured at long ones (where it may win), and its context slope, which needs the same batch
+        size at two contexts, never appears. So for each (batch region, context band) with
+        min_region_samples steps of traffic, a configuration with fewer step times there than that
+        gets an exploration row for that band (a row naming min_ctx / max_ctx covers only batches
+        of that mean context). Nothing while no configuration's step time depends on the context."""
+        if (not self.settings.ctx_axis or self.settings.explore_period <= 0 or not self.model.has_ctx()
+                or not any(self.model.ctx_slope(o.config)[0] > 0 for o in options)):
+            return rows
+        need = self.settings.min_region_samples
+        cov = self.model.ctx_coverage()
+        traffic: dict[tuple[int, int], float] = {}
+        for (_, lo, k), n in cov.items():
+            traffic[(lo, k)] = traffic.get((lo, k), 0.0) + n
+        extra = []
+        for (lo, k), n in sorted(traffic.items()):
+            if n < need:
+                continue
+            band_lo, band_hi = ctx_band_range(k)
+            for c in self.candidates():
+                if cov.get((c, lo, k), 0.0) < need:
+                    extra.append(Row(lo, 2 * lo - 1, c, min_ctx=band_lo, max_ctx=band_hi))
+        if not extra:
+            return rows
+        out = sorted(list(rows) + extra, key=lambda r: (r.min_batch, r.config, -1 if r.min_ctx is None else r.min_ctx))
+        return tuple(out[:MAX_EXPLORE_ROWS])
 
     def _with_acceptance_probes(self, rows: tuple[Row, ...], table: PolicyTable,
                                 options: list[cmpolicy.Option]) -> tuple[Row, ...]:

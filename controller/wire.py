@@ -205,8 +205,8 @@ class PolicyRecord(_Versioned):
     `challenge` (optional) lists ranges where a configuration looks better than the table's
     choice by less than the daemon can tell from noise; the engine uses it on one step in
     `challenge_period` (those steps the exploration rows leave).
-    `table` rows naming `min_ctx` / `max_ctx` form context bands (see check_table_covers);
-    exploring and challenging rows name no context.
+    `table` rows naming `min_ctx` / `max_ctx` form context bands (see check_table_covers); an
+    exploring or challenging row naming them covers only batches of that mean context.
     """
 
     kind: Literal["policy"] = "policy"
@@ -223,9 +223,6 @@ class PolicyRecord(_Versioned):
     @model_validator(mode="after")
     def _covers(self) -> "PolicyRecord":
         check_table_covers(self.table)
-        for name, rows in (("explore", self.explore), ("challenge", self.challenge)):
-            if any(r.ctx_band is not None for r in rows or ()):
-                raise ValueError(f"{name} rows name no context (min_ctx / max_ctx are for table rows)")
         return self
 
     def configs(self) -> list[SpecConfig]:

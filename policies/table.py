@@ -39,6 +39,10 @@ class Row:
     min_batch: int
     max_batch: Optional[int]  # None = open-ended (last row)
     config: Config
+    # exploring and challenging rows only: the row covers batches whose mean context per request is
+    # in [min_ctx, max_ctx] (None: no bound; both None: any context). A table's rows are grouped in Bands.
+    min_ctx: Optional[int] = None
+    max_ctx: Optional[int] = None
 
 
 @dataclass(frozen=True)
@@ -68,15 +72,27 @@ def mean_ctx(ctx_tokens: int, batch_size: int) -> int:
     return int(ctx_tokens) // max(1, int(batch_size))
 
 
-def rows_from_obj(items: Iterable[Mapping[str, Any]]) -> tuple[Row, ...]:
-    """Rows from their DESIGN.md JSON form (`min_batch`, `max_batch` or null, `config`)."""
+def rows_from_obj(items: Iterable[Mapping[str, Any]], *, with_ctx: bool = True) -> tuple[Row, ...]:
+    """Rows from their DESIGN.md JSON form (`min_batch`, `max_batch` or null, `config`, and for
+    exploring rows optionally `min_ctx` / `max_ctx`; `with_ctx` False drops those)."""
+    def opt(r: Mapping[str, Any], k: str) -> Optional[int]:
+        v = r.get(k) if with_ctx else None
+        return None if v is None else int(v)
+
     return tuple(Row(int(r["min_batch"]), None if r.get("max_batch") is None else int(r["max_batch"]),
-                     config_from_obj(r["config"])) for r in items)
+                     config_from_obj(r["config"]), opt(r, "min_ctx"), opt(r, "max_ctx")) for r in items)
 
 
 def rows_to_obj(rows: Iterable[Row]) -> list[dict[str, Any]]:
-    return [{"min_batch": r.min_batch, "max_batch": r.max_batch, "config": config_to_obj(r.config)}
-            for r in rows]
+    out = []
+    for r in rows:
+        o: dict[str, Any] = {"min_batch": r.min_batch, "max_batch": r.max_batch, "config": config_to_obj(r.config)}
+        if r.min_ctx is not None:
+            o["min_ctx"] = r.min_ctx
+        if r.max_ctx is not None:
+            o["max_ctx"] = r.max_ctx
+        out.append(o)
+    return out
 
 
 def split_table_obj(items: Iterable[Mapping[str, Any]]) -> tuple[tuple[Row, ...], tuple[Band, ...]]:
@@ -97,7 +113,8 @@ def split_table_obj(items: Iterable[Mapping[str, Any]]) -> tuple[tuple[Row, ...]
         else:
             groups.append((key, [r]))
         last = key
-    return rows_from_obj(plain), tuple(Band(k[0], k[1], rows_from_obj(g)) for k, g in groups)
+    return (rows_from_obj(plain, with_ctx=False),
+            tuple(Band(k[0], k[1], rows_from_obj(g, with_ctx=False)) for k, g in groups))
 
 
 def bands_to_obj(bands: Iterable[Band]) -> list[dict[str, Any]]:
@@ -192,11 +209,11 @@ class PolicyTable:
 
     def decide(self, batch_size: int, step_counter: int, ctx_tokens: Optional[int] = None) -> Config:
         if self.explore and self.explore_period > 0 and step_counter % self.explore_period == 0:
-            c = _rotate(self.explore, self.explore_period, batch_size, step_counter)
+            c = _rotate(self.explore, self.explore_period, batch_size, step_counter, ctx_tokens)
             if c is not None:
                 return c
         if self.challenge and self.challenge_period > 0 and step_counter % self.challenge_period == 0:
-            c = _rotate(self.challenge, self.challenge_period, batch_size, step_counter)
+            c = _rotate(self.challenge, self.challenge_period, batch_size, step_counter, ctx_tokens)
             if c is not None:
                 return c
         return self.lookup(batch_size, ctx_tokens)
@@ -229,13 +246,22 @@ class PolicyTable:
         return last_spec.max_batch + 1
 
 
-def _in(r: Row, b: int) -> bool:
-    return r.min_batch <= b and (r.max_batch is None or b <= r.max_batch)
+def _in(r: Row, b: int, ctx_tokens: Optional[int] = None) -> bool:
+    if not (r.min_batch <= b and (r.max_batch is None or b <= r.max_batch)):
+        return False
+    if r.min_ctx is None and r.max_ctx is None:
+        return True
+    if ctx_tokens is None:
+        return False  # a row for a context band covers no batch of unknown context
+    m = mean_ctx(ctx_tokens, b)
+    return (r.min_ctx or 0) <= m and (r.max_ctx is None or m <= r.max_ctx)
 
 
-def _rotate(rows: Sequence[Row], period: int, b: int, step_counter: int) -> Optional[Config]:
-    """The rows covering batch size b in turn, one per `period` steps; None if none covers it."""
-    hits = [r for r in rows if _in(r, b)]
+def _rotate(rows: Sequence[Row], period: int, b: int, step_counter: int,
+            ctx_tokens: Optional[int] = None) -> Optional[Config]:
+    """The rows covering batch size b (and the batch's context, for rows of a context band) in
+    turn, one per `period` steps; None if none covers it."""
+    hits = [r for r in rows if _in(r, b, ctx_tokens)]
     return hits[(step_counter // period) % len(hits)].config if hits else None
 
 

@@ -347,10 +347,11 @@ class CostModel:
         self.cell_cv_: dict[tuple[Config, int], float] = {}  # robust step-time cv per cell, at refit
         self.cell_n_: dict[tuple[Config, int], float] = {}  # values behind each cell's median, at refit
         self.step_cv_: Optional[float] = None
-        # context (telemetry with ctx_tokens only): slope statistics per cell, decayed steady steps
-        # per (config, power-of-2 band of mean context), the fits as of the last refit
+        # context (telemetry with ctx_tokens only): slope statistics per cell, decayed step times per
+        # (config, log2 batch region's first batch size, power-of-2 band of mean context), the fits
+        # as of the last refit
         self.ctx_cells_: dict[tuple[Config, int], _CtxCell] = {}
-        self.ctx_band_w_: dict[tuple[Config, int], float] = {}
+        self.ctx_band_w_: dict[tuple[Config, int, int], float] = {}
         self.ctx_fits_: dict[Config, _CtxFit] = {}
         self.cell_median_: dict[tuple[Config, int], float] = {}  # as of the last refit
 
@@ -477,6 +478,8 @@ class CostModel:
             cell.warm_ts.append(ts)
             cell.warm_ctx.append(x)
             cell.warm_since_steady += 1
+            if ctx is not None:
+                self._add_ctx(c, b, w, x, step_ms, batch_size, ctx)
         else:
             if cell.warm_since_steady >= FRESH_WARM:  # the steady values were superseded (see _TimeCell)
                 cell.recent.clear()
@@ -488,9 +491,12 @@ class CostModel:
             cell.recent_ctx.append(x)
             cell.warm_since_steady = 0
             if ctx is not None:
-                self._add_ctx(c, b, w, float(ctx), step_ms, mean_ctx(ctx, batch_size))
+                self._add_ctx(c, b, w, x, step_ms, batch_size, ctx)
 
-    def _add_ctx(self, c: Config, b: int, w: float, x: float, step_ms: float, mean: int) -> None:
+    def _add_ctx(self, c: Config, b: int, w: float, x: float, step_ms: float, batch_size: int, ctx: int) -> None:
+        """Steps right after a switch count too: a configuration the table runs in one context
+        band is measured in the others only by exploring steps, single steps after a switch; what a
+        switch costs (a few % of a step) biases the slope far less than leaving it unmeasured."""
         key = (c, b)
         cc = self.ctx_cells_.get(key)
         if cc is None:
@@ -500,8 +506,8 @@ class CostModel:
             # one wild step (a stall) would move a least-squares slope more than the context does
             step_ms = min(step_ms, CTX_CLIP * ref)
         cc.add(w, x, step_ms)
-        band = (c, ctx_band_index(mean))
-        self.ctx_band_w_[band] = self.ctx_band_w_.get(band, 0.0) + w
+        cov = (c, _region_of(b), ctx_band_index(mean_ctx(ctx, batch_size)))
+        self.ctx_band_w_[cov] = self.ctx_band_w_.get(cov, 0.0) + w
 
     # ------------------------------------------------------------------ fitting
 
@@ -558,7 +564,11 @@ class CostModel:
                 se = math.sqrt(resid / dof / sxx)
             if not (slope > 0 and slope > CTX_SLOPE_Z * se):
                 slope = 0.0
-            bands = tuple(sorted(k for (cfg, k), w in self.ctx_band_w_.items() if cfg == c and w * now_f >= 1.0))
+            per_band: dict[int, float] = {}
+            for (cfg, _, k), w in self.ctx_band_w_.items():
+                if cfg == c:
+                    per_band[k] = per_band.get(k, 0.0) + w
+            bands = tuple(sorted(k for k, w in per_band.items() if w * now_f >= 1.0))
             wsum = sum(cc.w for _, cc in cells)
             # the mean context per request the slope was measured around (cells at their own batch size)
             mean = sum(cc.w * cc.mx / b for b, cc in cells) / wsum if wsum > 0 else 0.0
@@ -630,12 +640,17 @@ class CostModel:
         return sorted(out)
 
     def ctx_band_samples(self) -> dict[int, float]:
-        """Decayed steady step times per power-of-2 band of mean context, all configurations."""
+        """Decayed step times per power-of-2 band of mean context, all configurations."""
         f = self._now_factor()
         out: dict[int, float] = {}
-        for (_, k), w in self.ctx_band_w_.items():
+        for (_, _, k), w in self.ctx_band_w_.items():
             out[k] = out.get(k, 0.0) + w * f
         return out
+
+    def ctx_coverage(self) -> dict[tuple[Config, int, int], float]:
+        """Decayed step times per (config, log2 batch region's first batch size, context band)."""
+        f = self._now_factor()
+        return {k: w * f for k, w in self.ctx_band_w_.items()}
 
     def ctx_trusted(self, c: Config, band: int) -> bool:
         """Whether c's step time at that context band rests on measurements at most one band
@@ -990,7 +1005,7 @@ class CostModel:
         if ctx:
             out["ctx"] = [[list(c), b, cc.w, cc.mx, cc.mt, cc.mxx, cc.mxt, cc.mtt]
                           for (c, b), cc in self.ctx_cells_.items()]
-            out["ctx_bands"] = [[list(c), k, w] for (c, k), w in self.ctx_band_w_.items()]
+            out["ctx_coverage"] = [[list(c), lo, k, w] for (c, lo, k), w in self.ctx_band_w_.items()]
         return out
 
     def set_state(self, state: dict[str, Any]) -> "CostModel":
@@ -1031,8 +1046,8 @@ class CostModel:
             self.accept_[tuple(c)] = cell  # type: ignore[index]
         for c, b, *m in state.get("ctx", ()):
             self.ctx_cells_[(tuple(c), int(b))] = _CtxCell(*(float(x) for x in m))  # type: ignore[index]
-        for c, k, w in state.get("ctx_bands", ()):
-            self.ctx_band_w_[(tuple(c), int(k))] = float(w)  # type: ignore[index]
+        for c, lo, k, w in state.get("ctx_coverage", ()):
+            self.ctx_band_w_[(tuple(c), int(lo), int(k))] = float(w)  # type: ignore[index]
         return self.refit()
 
     def summary(self, max_batch: Optional[int] = None) -> dict[str, Any]:
@@ -1138,6 +1153,11 @@ class _TimeFit:
         out[below] = self.y[0] - self.slope_lo * (lo - x[below])
         out[above] = self.y[-1] + self.slope_hi * (x[above] - hi)
         return np.maximum(out, 1e-6)
+
+
+def _region_of(b: int) -> int:
+    """First batch size of the log2 region (see `regions`) holding b."""
+    return 1 << (max(1, int(b)).bit_length() - 1)
 
 
 def _robust_cv(values: Sequence[float]) -> float:

@@ -184,10 +184,13 @@ def test_bad_bands_are_refused_with_the_reason(table, needle):
     assert ei.value.reason == "bad_value" and needle in str(ei.value), str(ei.value)
 
 
-def test_exploring_rows_name_no_context():
-    row = dict(POLICY["table"][0], min_ctx=0)
-    with pytest.raises(wire.WireError, match="explore rows name no context"):
-        wire.decode(_with(POLICY, explore=[row], explore_period=64))
+def test_exploring_rows_may_name_a_context_band():
+    row = dict(POLICY["table"][0], min_ctx=4096)
+    pol = wire.decode(_with(POLICY, explore=[row], explore_period=64))
+    assert pol.explore[0].ctx_band == (4096, None) and wire.decode(wire.encode(pol)) == pol
+    from specctl.policies.table import PolicyTable
+    t = PolicyTable.from_policy_obj(wire.to_obj(pol))
+    assert t.explore[0].min_ctx == 4096 and t.to_rows_obj() == PolicyTable(rows=t.rows).to_rows_obj()
 
 
 def test_records_without_context_fields_parse_as_before():

@@ -118,10 +118,22 @@ def test_bands_outside_every_range_use_the_rows_naming_no_context():
     assert t.rows_for(300) == (Row(1, None, S3),) and t.rows_for(None) == t.rows and t.rows_for(100) == t.rows
 
 
-def test_exploring_steps_ignore_the_context():
+def test_exploring_rows_for_any_context_ignore_it_and_banded_ones_cover_their_band_only():
     t = PolicyTable(rows=BANDED.rows, bands=BANDED.bands, explore=(Row(8, 15, S1),), explore_period=64)
     assert t.decide(10, 0, 10 * 6000) == S1 and t.decide(10, 1, 10 * 6000) == S1
     assert t.decide(10, 0, 10 * 300) == S1 and t.decide(10, 1, 10 * 300) == S3
+    t = PolicyTable(rows=BANDED.rows, bands=BANDED.bands, explore_period=64,
+                    explore=(Row(8, 15, S1), Row(1, None, OFF, min_ctx=4096)))
+    # at 6000 tokens a request both rows cover batch 10 and take turns; at 300 only the first does
+    assert [t.decide(10, 64 * k, 10 * 6000) for k in range(4)] == [S1, OFF, S1, OFF]
+    assert [t.decide(10, 64 * k, 10 * 300) for k in range(4)] == [S1] * 4
+    assert [t.decide(3, 64 * k, 3 * 5000) for k in range(2)] == [OFF, OFF]
+    assert [t.decide(3, 64 * k) for k in range(2)] == [S3, S3]  # unknown context: no banded row covers it
+    back = PolicyTable.from_policy_obj({"table": t.to_rows_obj(), "explore": [
+        {"min_batch": 8, "max_batch": 15, "config": {"steps": 1, "topk": 1, "draft_tokens": 2}},
+        {"min_batch": 1, "max_batch": None, "config": {"steps": 0, "topk": 1, "draft_tokens": 1}, "min_ctx": 4096}],
+        "explore_period": 64})
+    assert back.explore == t.explore
 
 
 def test_banded_rows_round_trip_through_the_policy_json():
