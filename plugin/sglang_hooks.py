@@ -146,7 +146,6 @@ class PluginRuntime:
         # the batch's context, read by the forward hook for get_steps_for_batch: (batch size, ctx_tokens)
         self._ctx_pending: Optional[tuple[int, int]] = None
         self._ctx_get: Optional[Callable[[Any], int]] = None  # per-request committed length, by version
-        self.ctx_on = True  # False after the lengths could not be read: every rank alike (same code, same data)
 
     # ---------------------------------------------------------------- start-up
 
@@ -339,7 +338,7 @@ class PluginRuntime:
         except Exception as e:  # noqa: BLE001
             self._disable_timing(e)
             decode = False
-        if decode and self.ctx_on and self._wants_ctx():
+        if decode and self._wants_ctx():
             ctx = self._batch_ctx(batch)
             if ctx is not None:
                 self._ctx_pending = (len(batch.reqs), ctx)
@@ -364,9 +363,10 @@ class PluginRuntime:
 
     def _wants_ctx(self) -> bool:
         """Read the context where it is used: rank 0's telemetry, and every rank's decision while the
-        table in force has context bands (the same table on every rank at every step)."""
+        table in force decides by context (bands, or rows for a context band): the same table on every
+        rank at every step, so every rank reads it for the same batches."""
         eng = self.engine
-        return self.telemetry_on or (eng is not None and bool(getattr(eng.table, "bands", ())))
+        return self.telemetry_on or (eng is not None and bool(getattr(eng.table, "uses_ctx", False)))
 
     def _batch_ctx(self, batch: Any) -> Optional[int]:
         """Context tokens of a decode batch: the sum of its requests' kv_committed_len, host-side
@@ -386,11 +386,13 @@ class PluginRuntime:
                 int(get(reqs[0]))
                 self._ctx_get = get
             return int(sum(map(get, reqs)))
-        except Exception as e:  # noqa: BLE001 - decisions go on with the rows naming no context
-            self.ctx_on = False
+        except Exception as e:  # noqa: BLE001 - this batch goes by the rows naming no context
+            # nothing sticky: a rank that read the context for telemetry alone must not decide otherwise
+            # later than the ranks that did not; the same batch fails alike on every rank
+            self._ctx_get = None
             self._ctx_pending = None
-            self.warn_once(f"the batch's context is unreadable ({type(e).__name__}: {e}): policies' context "
-                           f"bands are not used, telemetry carries no ctx_tokens")
+            self.warn_once(f"the batch's context is unreadable ({type(e).__name__}: {e}): such batches are "
+                           f"decided by the rows naming no context, their telemetry carries no ctx_tokens")
             return None
 
     def take_ctx(self, batch_size: int) -> Optional[int]:
@@ -580,7 +582,7 @@ def runtime() -> Optional[PluginRuntime]:
 
 def _around_forward(orig: Callable[..., Any], worker: Any, *args: Any, **kwargs: Any) -> Any:
     rt = _RUNTIME
-    if rt is None or (rt.timer is None and not (rt.ctx_on and rt._wants_ctx())):
+    if rt is None or (rt.timer is None and not rt._wants_ctx()):
         return orig(worker, *args, **kwargs)
     return rt.on_forward(orig, worker, *args, **kwargs)
 

@@ -159,6 +159,7 @@ class PolicyTable:
     _starts: tuple[int, ...] = field(default=(), repr=False, compare=False)
     _band_lo: tuple[int, ...] = field(default=(), repr=False, compare=False)
     _band_starts: tuple[tuple[int, ...], ...] = field(default=(), repr=False, compare=False)
+    uses_ctx: bool = field(default=False, repr=False, compare=False, init=False)  # bands or banded rows
 
     def __post_init__(self) -> None:
         why = table_problem(self.rows) or bands_problem(self.bands)
@@ -167,6 +168,8 @@ class PolicyTable:
         object.__setattr__(self, "_starts", tuple(r.min_batch for r in self.rows))
         object.__setattr__(self, "_band_lo", tuple(b.min_ctx for b in self.bands))
         object.__setattr__(self, "_band_starts", tuple(tuple(r.min_batch for r in b.rows) for b in self.bands))
+        object.__setattr__(self, "uses_ctx", bool(self.bands) or any(
+            r.min_ctx is not None or r.max_ctx is not None for r in self.explore + self.challenge))
 
     @classmethod
     def from_rows(cls, rows: Iterable[tuple[int, Optional[int], Config]], **kw: Any) -> "PolicyTable":

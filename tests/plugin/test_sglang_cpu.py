@@ -41,12 +41,16 @@ class Clock:
         return self.t
 
 
-def policy_frame(version: int, rows, source: str = "online", bands=()) -> bytes:
-    """bands: ((min_ctx, max_ctx, rows), ...), rows as (min_batch, max_batch, steps)."""
+def policy_frame(version: int, rows, source: str = "online", bands=(), explore=()) -> bytes:
+    """bands: ((min_ctx, max_ctx, rows), ...), rows as (min_batch, max_batch, steps); explore: Rows."""
     table = PolicyTable(rows=tuple(Row(a, b, chain(s)) for a, b, s in rows), version=version, source=source,
                         bands=tuple(Band(lo, hi, tuple(Row(a, b, chain(s)) for a, b, s in rs)) for lo, hi, rs in bands))
     obj = {"kind": "policy", "schema": 1, "version": version, "created_at": time.time(),
            "source": source, "table": table.to_rows_obj()}
+    if explore:
+        from specctl.policies.table import rows_to_obj
+
+        obj.update(explore=rows_to_obj(explore), explore_period=64)
     return json.dumps(obj).encode()
 
 
@@ -310,12 +314,15 @@ def test_a_batch_whose_context_cannot_be_read_uses_the_rows_naming_none(server, 
     finally:
         pub.close(linger=0)
     worker.used.clear()
+    unreadable = set(range(it, it + 40, 3))  # every third batch's requests have no committed length
     with caplog.at_level(logging.WARNING, logger="specctl.plugin"):
-        load_standin().run_decode(worker, proc, SIZES[:40], start_iter=it, ctx_of=lambda it, bs: None)
-    assert all(s == (3 if bs <= 4 else 0) for bs, s in worker.used.values())
-    assert eng.failed is None and plugged.ctx_on is False
-    assert "context is unreadable" in caplog.text
-    plugged.ctx_on, plugged._ctx_get = True, None  # the next tests' requests have lengths again
+        load_standin().run_decode(worker, proc, SIZES[:40], start_iter=it,
+                                  ctx_of=lambda i, bs: None if i in unreadable else _alternating_ctx(i, bs))
+    table = PolicyTable.from_policy_obj(json.loads(policy_frame(61, rows, bands=BANDS)))
+    for i, (bs, s) in worker.used.items():
+        want = table.lookup(bs, None if i in unreadable else sum(_alternating_ctx(i, bs)))[0]
+        assert s == want, (i, bs, s, want)
+    assert eng.failed is None and "context is unreadable" in caplog.text
 
 
 # ----------------------------------------------------------------------------- tensor parallel
@@ -335,6 +342,8 @@ def test_two_gloo_ranks_make_identical_choices_while_policies_land_mid_run(tmp_p
     tables = {v: [(1, 4, 3), (5, None, 0)] if v % 3 == 1 else
               [(1, 8, 1), (9, None, 3)] if v % 3 == 2 else [(1, None, 1)] for v in range(1, 200)}
     bands = {v: BANDS if v % 3 == 0 else () for v in tables}  # every third version decides by context
+    # and every third explores s1 at long contexts only (a policy without bands that still reads the context)
+    explore = {v: (Row(1, None, chain(1), min_ctx=1024),) if v % 3 == 2 else () for v in tables}
     version = 0
     deadline = time.monotonic() + 240
     try:
@@ -342,7 +351,7 @@ def test_two_gloo_ranks_make_identical_choices_while_policies_land_mid_run(tmp_p
             assert time.monotonic() < deadline, "TP ranks did not finish (hang?)"
             if (tmp_path / "running").exists():
                 version += 1
-                pub.send(policy_frame(version, tables[version], bands=bands[version]))
+                pub.send(policy_frame(version, tables[version], bands=bands[version], explore=explore[version]))
             time.sleep(0.12)
     finally:
         pub.close(linger=0)
@@ -359,11 +368,12 @@ def test_two_gloo_ranks_make_identical_choices_while_policies_land_mid_run(tmp_p
     applied = [v for v in logs[0]["versions"] if v is not None]
     assert len(set(applied)) >= 3, f"too few policy versions landed mid-run: {sorted(set(applied))}"
     assert logs[0]["ctx"] == logs[1]["ctx"]
-    for bs, steps, v, ctx in zip(logs[0]["sizes"], logs[0]["steps"], logs[0]["versions"], logs[0]["ctx"]):
-        want = PolicyTable.from_policy_obj(json.loads(policy_frame(v, tables[v], bands=bands[v]))).lookup(bs, ctx)[0] \
-            if v is not None else (3 if bs < 5 else 0)
-        assert steps == want
+    for i, (bs, steps, v, ctx) in enumerate(zip(logs[0]["sizes"], logs[0]["steps"], logs[0]["versions"], logs[0]["ctx"])):
+        want = PolicyTable.from_policy_obj(json.loads(policy_frame(v, tables[v], bands=bands[v], explore=explore[v]))) \
+            .decide(bs, i, ctx)[0] if v is not None else (3 if bs < 5 else 0)
+        assert steps == want, (i, bs, steps, v, ctx, want)
     assert any(bands[v] for v in applied), "no banded policy landed mid-run"
+    assert any(explore[v] for v in applied), "no policy with a context band's exploring row landed mid-run"
 
 
 def test_file_mode_and_off_mode_through_register(tmp_path):

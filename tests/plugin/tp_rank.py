@@ -13,7 +13,10 @@ import time
 from pathlib import Path
 
 rank, world, port, endpoint, outdir = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], Path(sys.argv[5])
-os.environ.update({"SPECCTL_POLICY": endpoint, "SPECCTL_TELEMETRY": "none", "SPECCTL_SYNC_EVERY": "8",
+# rank 0 sends telemetry (to no one: a PUSH drops), so it reads each batch's context for that alone while
+# the other rank reads it only where the policy decides by it: their decisions must agree anyway
+os.environ.update({"SPECCTL_POLICY": endpoint, "SPECCTL_SYNC_EVERY": "8",
+                   "SPECCTL_TELEMETRY": f"ipc://{outdir}/telemetry.sock" if rank == 0 else "none",
                    "SPECCTL_SERVER_ID": "tp-test", "SPECCTL_STALE_AFTER_S": "30"})
 
 import torch.distributed as dist  # noqa: E402

@@ -174,3 +174,10 @@ def test_a_band_split_across_the_list_is_refused():
 def test_power_of_two_context_bands(mean, band, lo_hi):
     assert ctx_band_index(mean) == band and ctx_band_range(band) == lo_hi
     assert mean_ctx(mean * 7 + 6, 7) == mean
+
+
+def test_a_table_uses_the_context_where_a_band_or_a_banded_row_does():
+    assert not PolicyTable(rows=BANDED.rows).uses_ctx and BANDED.uses_ctx
+    assert PolicyTable(rows=BANDED.rows, explore=(Row(1, None, S1, min_ctx=512),), explore_period=64).uses_ctx
+    assert not PolicyTable(rows=BANDED.rows, explore=(Row(1, None, S1),), explore_period=64).uses_ctx
+    assert PolicyTable(rows=BANDED.rows, challenge=(Row(1, 4, S1, max_ctx=100),), challenge_period=16).uses_ctx
