@@ -147,10 +147,10 @@ class _TimeCell:
 
 @dataclass
 class _CtxCell:
-    """Decayed weighted moments of (ctx_tokens x, step time t) of one (config, batch size), steady
-    steps only (West's incremental algorithm): the context slope's sufficient statistics. Unlike the
-    cell's ring of recent values these keep the whole step-time half-life, so traffic that alternates
-    between short and long contexts is seen in both, whichever ran last."""
+    """Decayed weighted moments of (ctx_tokens x, step time t) of one (config, batch size), steps
+    after a switch included (West's incremental algorithm): the context slope's sufficient
+    statistics. Unlike the cell's ring of recent values these keep the whole step-time half-life,
+    so traffic that alternates between short and long contexts is seen in both, whichever ran last."""
 
     w: float = 0.0
     mx: float = 0.0
@@ -632,7 +632,7 @@ class CostModel:
 
     def ctx_bands(self, c: Optional[Config] = None) -> list[int]:
         """Power-of-2 bands of mean context per request (policies.table.ctx_band_index) with at
-        least one decayed steady step time of c (of any configuration when c is None)."""
+        least one decayed step time of c (of any configuration when c is None)."""
         out: set[int] = set()
         for k, f in self.ctx_fits_.items():
             if c is None or k == tuple(c):
