@@ -77,7 +77,7 @@ class ServiceSettings:
     persist_model_s: float = 30.0
     max_future_s: float = 300.0  # records stamped further ahead of our clock are rejected
     # where telemetry carries ctx_tokens and step time depends on it, publish a table per band of
-    # mean context per request (see ControllerService._ctx_bands); False: one table for any context
+    # mean context per request (see ControllerService.ctx_bands); False: one table for any context
     ctx_axis: bool = True
 
     def __post_init__(self) -> None:
@@ -364,7 +364,7 @@ class ControllerService:
         when the telemetry carries no ctx_tokens, no configuration's step time depends on it, or all
         bands choose alike. `self.band_summary` keeps what `policy show` prints per band. `z`: the
         tolerance's standard errors, if not `switch_z` (`specctl train` chooses with 0)."""
-        self.band_summary: list[dict[str, Any]] = []
+        self.band_summary = []
         if not self.settings.ctx_axis or not options or not self.model.has_ctx():
             return ()
         if not any(self.model.ctx_slope(o.config)[0] > 0 for o in options):
