@@ -1,4 +1,6 @@
-"""Scheduler-thread cost of the plugin per decode step: decision + step timing + telemetry + sync.
+"""Scheduler-thread cost of the plugin per decode step: decision + step timing + telemetry + sync,
+and the read of the batch's context (the sum of its requests' kv_committed_len) the decision and the
+telemetry use.
 
     python benchmarks/plugin_overhead.py [--steps N] [--out benchmarks/results/plugin-overhead.json]
 
@@ -36,9 +38,19 @@ class _SeqLens:
         self.shape = (n,)
 
 
+class Req:  # SGLang 0.5.17's Req keeps kv_committed_len on itself (0.5.2x: on req.kv)
+    __slots__ = ("kv_committed_len",)
+
+    def __init__(self, n: int):
+        self.kv_committed_len = n
+
+
+REQS: dict[int, list[Req]] = {}
+
+
 class Batch:
     def __init__(self, bs: int, it: int):
-        self.reqs = [None] * bs
+        self.reqs = REQS[bs]
         self.seq_lens = _SeqLens(bs)
         self.forward_mode = _Mode()
         self.is_extend_in_batch = False
@@ -89,48 +101,83 @@ def _drain(endpoint: str, stop_path: str) -> None:
     pull.close(linger=0)
 
 
+DECIDE_NS: list[int] = []
+
+
 def _forward(worker, batch):
+    """forward_batch_generation: SGLang's activate_step_by_batch asks the policy (our
+    get_steps_for_batch: the context the AROUND hook read, then decide), then the GPU work."""
+    eng, rt = worker.adaptive_controller.params.specctl, sglang_hooks._RUNTIME
+    t0 = time.perf_counter_ns()
+    bs = batch.seq_lens.shape[0]
+    eng.decide(bs, rt.take_ctx(bs))
+    DECIDE_NS.append(time.perf_counter_ns() - t0)
+    return Result(worker.speculative_num_draft_tokens, ACC[len(batch.reqs)])
+
+
+def _forward_only(worker, batch):
     return Result(worker.speculative_num_draft_tokens, ACC[len(batch.reqs)])
 
 
 ACC: dict[int, list[int]] = {}
 
 
-def measure(batch_size: int, steps: int, rundir: str, *, telemetry: bool) -> dict:
+def _banded_policy():
+    from specctl.plugin.engine import PolicyUpdate
+    from specctl.policies.table import Band, PolicyTable, Row, chain
+
+    return PolicyUpdate(PolicyTable(rows=(Row(1, 4, chain(3)), Row(5, None, chain(0))), version=2, source="online",
+                                    bands=(Band(0, 1023, (Row(1, 60, chain(3)), Row(61, None, chain(0)))),
+                                           Band(1024, None, (Row(1, 12, chain(3)), Row(13, None, chain(0)))))))
+
+
+def measure(batch_size: int, steps: int, rundir: str, *, telemetry: bool, bands: bool = False) -> dict:
     settings = PluginSettings(server_id="bench-0", telemetry_endpoint=f"ipc://{rundir}/telemetry.sock" if telemetry else None,
                               policy_endpoint=f"ipc://{rundir}/policy.sock", sync_every=8)
     rt = sglang_hooks.PluginRuntime(settings, tp_group_fn=lambda: None, timer=sglang_hooks.CpuTimer())
     sglang_hooks._RUNTIME = rt
-    rt.check_hooks = lambda: []  # no SGLang here: the registry check is start-up only anyway
+    rt.check_hooks = lambda **kw: []  # no SGLang here: the registry check is start-up only anyway
     eng = rt.new_engine([0, 1, 3])
+    if bands:  # a policy with context bands in force: every rank reads the batch's context
+        eng.apply(_banded_policy())
     worker, proc = Worker(eng), Processor(Worker(eng))
     ACC[batch_size] = [(i % 4) for i in range(batch_size)]
+    REQS[batch_size] = [Req(300 + 97 * i) for i in range(batch_size)]
     time.sleep(0.3)  # PUSH connects
-    decide_ns, total_ns = [], []
+    DECIDE_NS.clear()
+    total_ns = []
     for it in range(steps + 2000):
         batch = Batch(batch_size, it)
         t0 = time.perf_counter_ns()
-        eng.decide(batch_size)  # get_steps_for_batch, inside activate_step_by_batch
-        t1 = time.perf_counter_ns()
         res = sglang_hooks._around_forward(_forward, worker, batch)
         sglang_hooks._after_resolve(None, proc, res, batch)
         t2 = time.perf_counter_ns()
         if it >= 2000:
-            decide_ns.append(t1 - t0)
             total_ns.append(t2 - t0)
+    decide_ns = DECIDE_NS[2000:]
     # the AROUND hook's own forward stand-in is part of total; measure it alone and subtract
     base_ns = []
     for it in range(20000):
         batch = Batch(batch_size, it)
         t0 = time.perf_counter_ns()
-        _forward(worker, batch)
+        _forward_only(worker, batch)
         base_ns.append(time.perf_counter_ns() - t0)
     base = statistics.median(base_ns)
+    # the context read alone (what the AROUND hook adds before SGLang asks the policy)
+    ctx_ns = []
+    batch = Batch(batch_size, 0)
+    for _ in range(20000):
+        t0 = time.perf_counter_ns()
+        rt._batch_ctx(batch)
+        ctx_ns.append(time.perf_counter_ns() - t0)
+    assert rt._batch_ctx(batch) == sum(r.kv_committed_len for r in REQS[batch_size])
     sent, dropped = (rt.sender.num_sent, rt.sender.num_dropped) if rt.sender else (0, 0)
     rt.close()
     total_us = [(t - base) / 1000 for t in total_ns]
     return {
-        "batch_size": batch_size, "steps": steps, "telemetry": telemetry,
+        "batch_size": batch_size, "steps": steps, "telemetry": telemetry, "bands": bands,
+        "reads_ctx": telemetry or bands,
+        "ctx_read_us_median": statistics.median(ctx_ns) / 1000,
         "decide_us_median": statistics.median(decide_ns) / 1000,
         "per_step_us_median": statistics.median(total_us),
         "per_step_us_mean": statistics.fmean(total_us),
@@ -153,10 +200,12 @@ def main() -> None:
     runs = []
     try:
         for bs in (1, 32, 256):
-            for telemetry in (False, True):
-                r = measure(bs, args.steps, rundir, telemetry=telemetry)
+            for telemetry, bands in ((False, False), (True, False), (False, True)):
+                r = measure(bs, args.steps, rundir, telemetry=telemetry, bands=bands)
                 runs.append(r)
-                print(f"bs={bs:4d} telemetry={'on ' if telemetry else 'off'}  decide {r['decide_us_median']:.2f} us"
+                print(f"bs={bs:4d} telemetry={'on ' if telemetry else 'off'} bands={'on ' if bands else 'off'}"
+                      f"  ctx read {r['ctx_read_us_median']:.2f} us ({'read' if r['reads_ctx'] else 'not read'})"
+                      f"  decide {r['decide_us_median']:.2f} us"
                       f"  per step: median {r['per_step_us_median']:.2f} us, mean {r['per_step_us_mean']:.2f} us"
                       f" (99% trimmed {r['per_step_us_trimmed_mean']:.2f}),"
                       f" p99 {r['per_step_us_p99']:.2f} us  (sent {r['frames_sent']}, dropped {r['frames_dropped']})")
@@ -168,8 +217,12 @@ def main() -> None:
     load = os.getloadavg()
     print(f"worst median per-step cost: {worst:.2f} us (goal <= 20 us): {'OK' if worst <= 20 else 'OVER'}"
           f"  [load average {load[0]:.1f} on {os.cpu_count()} cores]")
+    ctx_read = {r["batch_size"]: r["ctx_read_us_median"] for r in runs if r["bands"]}
+    print("context read (sum of kv_committed_len over the batch's requests), median: "
+          + ", ".join(f"bs {b}: {us:.2f} us" for b, us in sorted(ctx_read.items())))
     record = {
         "benchmark": "plugin_overhead", "goal_us": 20.0, "worst_median_us": worst, "runs": runs,
+        "ctx_read_us_median_by_batch": ctx_read,
         "load_average_1m": load[0],
         "machine": {"python": platform.python_version(), "cpu": platform.processor() or platform.machine(),
                     "cores": os.cpu_count(), "node": platform.node()},

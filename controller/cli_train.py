@@ -47,9 +47,13 @@ def _configs(ctx: click.Context, param: click.Parameter, value: Optional[str]):
               help="Decode steps that make a batch-size range count as measured for a configuration.")
 @click.option("--progress/--no-progress", default=None,
               help="Progress bar (default: on for inputs over 16 MiB).")
+@click.option("--ctx-axis/--no-ctx-axis", default=True, show_default=True,
+              help="Where the inputs carry ctx_tokens and step time depends on it, a table per band of mean "
+                   "context per request (--no-ctx-axis: one table for any context).")
 @click.option("--json", "as_json", is_flag=True, help="Print the training report as JSON on stdout.")
 def train(inputs: tuple[str, ...], out: str, plot: Optional[str], report_path: Optional[str],
-          candidates, max_batch: int, min_steps: float, progress: Optional[bool], as_json: bool) -> None:
+          candidates, max_batch: int, min_steps: float, progress: Optional[bool], ctx_axis: bool,
+          as_json: bool) -> None:
     """Fit the cost model to INPUT files or directories (any mix of SGLang server logs,
     bench_serving result JSONL and specctl telemetry .jsonl/.jsonl.gz) and write a policy file
     for `specctl serve --init-policy` or the plugin's SPECCTL_POLICY_FILE.
@@ -71,10 +75,10 @@ def train(inputs: tuple[str, ...], out: str, plot: Optional[str], report_path: O
         with click.progressbar(length=max(total, 1), label="reading", file=sys.stderr,
                                show_percent=True, show_eta=True) as bar:
             policy, report = training.train(inputs, max_batch=max_batch, candidates=candidates,
-                                            min_steps=min_steps, progress=bar.update)
+                                            min_steps=min_steps, progress=bar.update, ctx_axis=ctx_axis)
     else:
         policy, report = training.train(inputs, max_batch=max_batch, candidates=candidates,
-                                        min_steps=min_steps)
+                                        min_steps=min_steps, ctx_axis=ctx_axis)
 
     for f in report.files:
         line = (f"{f.path}: {f.format}, {f.num_lines} lines, {f.num_used} used, "
@@ -101,6 +105,10 @@ def train(inputs: tuple[str, ...], out: str, plot: Optional[str], report_path: O
     atomic_write(Path(out), wire.encode(policy) + b"\n", keep_prev=False)
     x = report.crossover
     rows = "; ".join(f"{r.min_batch}-{'' if r.max_batch is None else r.max_batch}: {r.config.name}"
-                     for r in policy.table)
+                     for r in policy.table if r.ctx_band is None)
     click.echo(f"wrote {out}: {rows} (spec→off crossover: {'never' if x is None else x}; "
                f"{report.num_samples} samples)", err=True)
+    for lo, hi, band_rows in report.ctx_bands:
+        cells = "; ".join(f"{r.min_batch}-{'' if r.max_batch is None else r.max_batch}: {wire.config_name(r.config)}"
+                          for r in band_rows)
+        click.echo(f"  context {lo}{'+' if hi is None else f'-{hi}'} tokens a request: {cells}", err=True)

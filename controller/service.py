@@ -15,7 +15,8 @@ import numpy as np
 
 from ..policies import costmodel as cmpolicy
 from ..policies.fixed import DEFAULT_CONFIG, DEFAULT_THRESHOLD, fixed_threshold, static
-from ..policies.table import OFF, Config, PolicyTable, Row, config_name, rows_to_obj
+from ..policies.table import (OFF, Band, Config, PolicyTable, Row, config_name, ctx_band_range, rows_from_choices,
+                              rows_to_obj)
 from ..training.costmodel import FRESH_WARM, MEDIAN_SE, CostModel, Sample, regions
 from . import wire
 from .metrics import Metrics
@@ -75,6 +76,9 @@ class ServiceSettings:
     max_batch: int = 1024
     persist_model_s: float = 30.0
     max_future_s: float = 300.0  # records stamped further ahead of our clock are rejected
+    # where telemetry carries ctx_tokens and step time depends on it, publish a table per band of
+    # mean context per request (see ControllerService.ctx_bands); False: one table for any context
+    ctx_axis: bool = True
 
     def __post_init__(self) -> None:
         if self.mode not in ("online", "fixed"):
@@ -141,6 +145,7 @@ class ControllerService:
         self._tau_peak: dict[Config, tuple[float, float]] = {}  # chain -> (peak tau, when)
         self._new_telemetry = False  # records taken since the last refit
         self._partial_since: Optional[float] = None  # first telemetry while the evidence was partial
+        self.band_summary: list[dict[str, Any]] = []  # the context bands of the last refit (ctx_bands)
 
         loaded = None
         self.resumed_version: Optional[int] = None  # the policy version taken from the state dir
@@ -315,11 +320,14 @@ class ControllerService:
             explore = self._without_decided(explore, derived, options)
             explore = self._with_acceptance_probes(explore, derived, options)
             explore = self._with_refresh_rows(explore, derived, options)
+            explore = self._with_ctx_explore_rows(explore, options)
             challenge = self._challenge_rows(derived, options)
+            bands = self.ctx_bands(options, derived, current if self.policy.source == "online" else None)
             table = PolicyTable(rows=derived.rows, explore=explore,
                                 explore_period=self.settings.explore_period if explore else 0,
                                 challenge=challenge,
-                                challenge_period=self.settings.challenge_period if challenge else 0)
+                                challenge_period=self.settings.challenge_period if challenge else 0,
+                                bands=bands)
             source = "online"
         elif self.policy.source == "online":
             # A learned table outlives a thin window (e.g. right after a restart): keep it
@@ -330,7 +338,8 @@ class ControllerService:
                                 explore_period=self.settings.explore_period if explore else 0)
             source = self.policy.source
         changed = (table.rows != current.rows or table.explore != current.explore
-                   or table.challenge != current.challenge or source != self.policy.source)
+                   or table.challenge != current.challenge or table.bands != current.bands
+                   or source != self.policy.source)
         self.num_refits += 1
         self.metrics.refits.inc()
         if changed:
@@ -348,6 +357,77 @@ class ControllerService:
         self.last_refit_ms = (time.perf_counter() - t0) * 1000.0
         self.metrics.refit_seconds.observe(self.last_refit_ms / 1000.0)
         return changed
+
+    def ctx_bands(self, options: list[cmpolicy.Option], table: PolicyTable,
+                  previous: Optional[PolicyTable] = None, *, z: Optional[float] = None) -> tuple[Band, ...]:
+        """The table per band of mean context per request, where step time depends on the context.
+
+        Bands are powers of 2 of the mean context (policies.table.ctx_band_index), from the lowest to
+        the highest one the telemetry shows min_region_samples steps in. Each band's table is chosen
+        as `table` (the rows for any context) is, from the step times the model predicts at the band's
+        middle (CostModel.predict_step_ms_ctx: f_c(b) + g_c * b * L), with the same tolerance, and
+        hysteresis against the band of `previous` that covered that context. A configuration counts
+        as measured only within one band of the contexts it ran at; where `table`'s choice is not,
+        `table`'s choice stays. Neighbouring bands with the same rows are one band; the lowest is
+        extended down to 0 and the highest up without bound. Nothing (one table for any context)
+        when the telemetry carries no ctx_tokens, no configuration's step time depends on it, or all
+        bands choose alike. `self.band_summary` keeps what `policy show` prints per band. `z`: the
+        tolerance's standard errors, if not `switch_z` (`specctl train` chooses with 0)."""
+        self.band_summary = []
+        if not self.settings.ctx_axis or not options or not self.model.has_ctx():
+            return ()
+        if not any(self.model.ctx_slope(o.config)[0] > 0 for o in options):
+            return ()
+        traffic = self.model.ctx_band_samples()
+        seen = sorted(k for k, n in traffic.items() if n >= self.settings.min_region_samples)
+        if not seen:
+            return ()
+        z = self.settings.switch_z if z is None else z
+        tau_log_var = self.model.tau_log_diff_var([o.config for o in options]) if z > 0 else None
+        b = np.arange(1, len(options[0].step_ms) + 1)
+        per_band: list[tuple[int, int, tuple[Row, ...], float, list[cmpolicy.Option]]] = []
+        for k in range(seen[0], seen[-1] + 1):
+            lo, hi = ctx_band_range(k)
+            at = 0.5 * (lo + hi)
+            opts = []
+            for o in options:
+                se = thin = None
+                if z > 0:
+                    se, thin = self.model.step_ms_ctx_errors(o.config, b, at)
+                trusted = o.trust() & self.model.ctx_trusted(o.config, k)
+                opts.append(cmpolicy.Option(o.config, o.tokens_per_step, self.model.predict_step_ms_ctx(o.config, b, at),
+                                            trusted, se, thin))
+            prev = PolicyTable(rows=previous.rows_for(int(at))) if previous is not None else None
+            choices = cmpolicy.choose(opts, prev, self.settings.margin, table, z=z, tau_log_var=tau_log_var,
+                                      max_margin=self.settings.max_margin)
+            rows = rows_from_choices(choices)
+            if len(rows) > 256:  # as derive(): pathological near-ties
+                rows = rows_from_choices(cmpolicy.choose(opts, None, 0.0, table))
+            per_band.append((lo, hi, rows, traffic.get(k, 0.0), opts))
+        merged: list[list[Any]] = []  # [lo, hi, rows, traffic, opts of the busiest band, its middle]
+        for lo, hi, rows, n, opts in per_band:
+            if merged and merged[-1][2] == rows:
+                m = merged[-1]
+                m[1] = hi
+                if n > m[3]:
+                    m[3], m[4], m[5] = n, opts, 0.5 * (lo + hi)
+            else:
+                merged.append([lo, hi, rows, n, opts, 0.5 * (lo + hi)])
+        if len(merged) < 2:
+            return ()
+        merged[0][0], merged[-1][1] = 0, None
+        if len(table.rows) + sum(len(m[2]) for m in merged) > wire.MAX_TABLE_ROWS:
+            log.warning("context bands dropped: %d rows would exceed a policy's %d", len(table.rows)
+                        + sum(len(m[2]) for m in merged), wire.MAX_TABLE_ROWS)
+            return ()
+        probes = [p for p in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024) if p <= len(b)]
+        for lo, hi, rows, _, opts, at in merged:
+            self.band_summary.append({
+                "min_ctx": lo, "max_ctx": hi, "predicted_at_ctx": at,
+                "spec_off_crossover": PolicyTable(rows=rows).spec_off_crossover(),
+                "predicted_goodput_tok_s": {config_name(o.config): [[p, round(float(o.goodput()[p - 1]), 1)]
+                                                                    for p in probes] for o in opts}})
+        return tuple(Band(lo, hi, rows) for lo, hi, rows, *_ in merged)
 
     def _challenge_rows(self, table: PolicyTable, options: list[cmpolicy.Option]) -> tuple[Row, ...]:
         """Where a configuration predicts a better goodput than the table's choice, by more than
@@ -506,6 +586,36 @@ class ControllerService:
             return rows
         return tuple(sorted(list(rows) + extra, key=lambda r: (r.min_batch, r.config))[:MAX_EXPLORE_ROWS])
 
+    def _with_ctx_explore_rows(self, rows: tuple[Row, ...], options: list[cmpolicy.Option]) -> tuple[Row, ...]:
+        """Where step time depends on the context, measure every configuration in every context band
+        the traffic visits, region by region. A table per band runs a configuration only in the
+        bands it wins, so without this a configuration that loses at short contexts is never
+        measured at long ones (where it may win), and its context slope, which needs the same batch
+        size at two contexts, never appears. So for each (batch region, context band) with
+        min_region_samples steps of traffic, a configuration with fewer step times there than that
+        gets an exploration row for that band (a row naming min_ctx / max_ctx covers only batches
+        of that mean context). Nothing while no configuration's step time depends on the context."""
+        if (not self.settings.ctx_axis or self.settings.explore_period <= 0 or not self.model.has_ctx()
+                or not any(self.model.ctx_slope(o.config)[0] > 0 for o in options)):
+            return rows
+        need = self.settings.min_region_samples
+        cov = self.model.ctx_coverage()
+        traffic: dict[tuple[int, int], float] = {}
+        for (_, lo, k), n in cov.items():
+            traffic[(lo, k)] = traffic.get((lo, k), 0.0) + n
+        extra = []
+        for (lo, k), n in sorted(traffic.items()):
+            if n < need:
+                continue
+            band_lo, band_hi = ctx_band_range(k)
+            for c in self.candidates():
+                if cov.get((c, lo, k), 0.0) < need:
+                    extra.append(Row(lo, 2 * lo - 1, c, min_ctx=band_lo, max_ctx=band_hi))
+        if not extra:
+            return rows
+        out = sorted(list(rows) + extra, key=lambda r: (r.min_batch, r.config, -1 if r.min_ctx is None else r.min_ctx))
+        return tuple(out[:MAX_EXPLORE_ROWS])
+
     def _with_acceptance_probes(self, rows: tuple[Row, ...], table: PolicyTable,
                                 options: list[cmpolicy.Option]) -> tuple[Row, ...]:
         """Acceptance is only measured while speculating, and it follows the traffic. Where the
@@ -571,6 +681,8 @@ class ControllerService:
             summary["off_paths"] = dict(sorted(paths.items()))
         x = table.spec_off_crossover()
         summary["spec_off_crossover"] = x
+        if table.bands and getattr(self, "band_summary", None):
+            summary["ctx_bands"] = self.band_summary
         return summary
 
     def _record(self, table: PolicyTable, *, version: int, source: str,
@@ -601,7 +713,7 @@ class ControllerService:
     def _update_policy_metrics(self) -> None:
         m = self.metrics
         m.policy_version.set(self.policy.version)
-        m.set_table([(r.min_batch, r.max_batch, r.config.name) for r in self.policy.table])
+        m.set_table([(r.min_batch, r.max_batch, r.config.name) for r in self.policy.table if r.ctx_band is None])
         t = PolicyTable.from_policy_obj(wire.to_obj(self.policy))
         x = t.spec_off_crossover()
         m.crossover.set(0 if x is None else x)

@@ -1,4 +1,5 @@
-"""Human views of a policy: the table with the goodput behind each choice, and a plot."""
+"""Human views of a policy: the table with the goodput behind each choice, its context bands, and a
+plot."""
 
 from __future__ import annotations
 
@@ -50,7 +51,10 @@ def render(policy: wire.PolicyRecord, *, now: Optional[float] = None) -> str:
     header += f"  {'samples':>8}"
     lines.append(header)
     lines.append("-" * len(header))
+    banded = [r for r in policy.table if r.ctx_band is not None]
     for row in policy.table:
+        if row.ctx_band is not None:
+            continue
         rng = f"{row.min_batch}-{row.max_batch}" if row.max_batch is not None else f"{row.min_batch}+"
         name = row.config.name
         line = f"{rng:>12}  {name:<10}"
@@ -66,6 +70,8 @@ def render(policy: wire.PolicyRecord, *, now: Optional[float] = None) -> str:
         lines.append(line)
     if names:
         lines.append("(goodput predicted at each range's midpoint; * = chosen)")
+    if banded:
+        lines += _band_lines(banded, m)
     if policy.explore:
         lines.append(f"exploring 1 step in {policy.explore_period}: {_ranges(policy.explore)}")
     if policy.challenge:
@@ -87,6 +93,27 @@ def render(policy: wire.PolicyRecord, *, now: Optional[float] = None) -> str:
         lines.append("fit error (median rel.): " + ", ".join(
             f"{k} {v:.1%}" for k, v in sorted(m["fit_error"].items(), key=lambda kv: _order(kv[0]))))
     return "\n".join(lines)
+
+
+def _band_lines(rows: list[wire.TableEntry], model: dict[str, Any]) -> list[str]:
+    """One line per context band: its rows, and its spec->off crossover."""
+    bands: dict[tuple[int, Optional[int]], list[wire.TableEntry]] = {}
+    for r in rows:
+        bands.setdefault(r.ctx_band, []).append(r)  # type: ignore[arg-type]
+    out = ["context bands (mean context tokens per request; the rows above serve batches of unknown context):"]
+    for (lo, hi), rs in bands.items():
+        name = f"context {lo}+" if hi is None else f"context {lo}-{hi}"
+        cells = ", ".join(f"{r.config.name} {r.min_batch}{'+' if r.max_batch is None else f'-{r.max_batch}'}"
+                          for r in rs[:12]) + (f" (+{len(rs) - 12} more)" if len(rs) > 12 else "")
+        last_spec = max((r for r in rs if not r.config.is_off), key=lambda r: r.min_batch, default=None)
+        x = 1 if last_spec is None else (None if last_spec.max_batch is None else last_spec.max_batch + 1)
+        out.append(f"{name:>18}  {cells}  (spec->off at {'never' if x is None else f'batch {x}'})")
+    for b in model.get("ctx_bands") or []:
+        if b.get("predicted_at_ctx") is not None:
+            out.append("(each band's table is chosen at the predicted step time of its busiest power-of-2 "
+                       "band's middle context)")
+            break
+    return out
 
 
 def _ranges(rows: list[wire.TableEntry], most: int = 12) -> str:
@@ -130,7 +157,8 @@ def plot(policy: wire.PolicyRecord, out_png: str) -> None:
         env_b.append(b)
         env_g.append(max(g for pts in curves.values() for pb, g in pts if pb == b))
     ax.plot(env_b, env_g, color="k", lw=2.5, alpha=0.25, label="envelope")
-    for row in policy.table[1:]:
+    plain = [r for r in policy.table if r.ctx_band is None]
+    for row in plain[1:]:
         ax.axvline(row.min_batch, color="grey", ls=":", lw=1)
         ax.text(row.min_batch, ax.get_ylim()[1] * 0.97, f" {row.config.name}", fontsize=8, va="top")
     ax.set_xscale("log", base=2)
@@ -138,6 +166,37 @@ def plot(policy: wire.PolicyRecord, out_png: str) -> None:
     ax.set_ylabel("predicted goodput (tokens/s)")
     ax.set_title(f"specctl policy v{policy.version} ({policy.source})")
     ax.legend(fontsize=8)
-    fig.tight_layout()
+    banded = [r for r in policy.table if r.ctx_band is not None]
+    if banded:
+        fig.set_size_inches(14, 4.5)
+        ax2 = fig.add_subplot(1, 2, 2)
+        ax.set_position([0.06, 0.12, 0.40, 0.78])
+        _plot_bands(ax2, banded, plain)
+    else:
+        fig.tight_layout()
     fig.savefig(out_png, dpi=120)
     plt.close(fig)
+
+
+def _plot_bands(ax: Any, banded: list[wire.TableEntry], plain: list[wire.TableEntry]) -> None:
+    """The configuration per (mean context, batch size): one column of rectangles per band."""
+    from matplotlib.patches import Patch, Rectangle
+
+    names = sorted({r.config.name for r in banded + plain}, key=_order)
+    colors = {n: f"C{i}" for i, n in enumerate(names)}
+    top_b = max([2 * r.min_batch for r in banded] + [64])
+    lows = [r.ctx_band[0] for r in banded if r.ctx_band[0] > 0] or [2]  # type: ignore[index]
+    top_c = max([r.ctx_band[1] or 2 * max(lows) for r in banded] + [2 * max(lows)])  # type: ignore[index]
+    for r in banded:
+        lo, hi = r.ctx_band  # type: ignore[misc]
+        lo, hi = max(1, min(lows) // 4) if lo == 0 else lo, (top_c if hi is None else hi + 1)
+        b0, b1 = r.min_batch, (top_b if r.max_batch is None else r.max_batch + 1)
+        ax.add_patch(Rectangle((lo, b0), hi - lo, b1 - b0, color=colors[r.config.name], alpha=0.6, lw=0))
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log", base=2)
+    ax.set_xlim(max(1, min(lows) // 4), top_c)  # the band from 0 shown from a quarter of the next one's start
+    ax.set_ylim(1, top_b)
+    ax.set_xlabel("mean context tokens per request")
+    ax.set_ylabel("batch size")
+    ax.set_title("configuration by context band")
+    ax.legend(handles=[Patch(color=colors[n], alpha=0.6, label=n) for n in names], fontsize=8)

@@ -176,15 +176,30 @@ class StepRecord(_Versioned):
 
 
 class TableEntry(_Strict):
+    """One row. `min_ctx` / `max_ctx` (optional, inclusive): the row serves batches whose mean
+    context tokens per request lies in that range (absent: no bound); a row naming neither
+    serves any context."""
+
     min_batch: int = Field(ge=1)
     max_batch: Optional[int] = Field(default=None, ge=1)
     config: SpecConfig
+    min_ctx: Optional[int] = Field(default=None, ge=0)
+    max_ctx: Optional[int] = Field(default=None, ge=0)
 
     @model_validator(mode="after")
     def _ordered(self) -> "TableEntry":
         if self.max_batch is not None and self.max_batch < self.min_batch:
             raise ValueError(f"max_batch {self.max_batch} < min_batch {self.min_batch}")
+        if self.max_ctx is not None and self.max_ctx < (self.min_ctx or 0):
+            raise ValueError(f"max_ctx {self.max_ctx} < min_ctx {self.min_ctx or 0}")
         return self
+
+    @property
+    def ctx_band(self) -> Optional[tuple[int, Optional[int]]]:
+        """(min_ctx, max_ctx) of the band this row belongs to, None for a row of any context."""
+        if self.min_ctx is None and self.max_ctx is None:
+            return None
+        return (self.min_ctx or 0, self.max_ctx)
 
 
 class PolicyRecord(_Versioned):
@@ -195,6 +210,8 @@ class PolicyRecord(_Versioned):
     `challenge` (optional) lists ranges where a configuration looks better than the table's
     choice by less than the daemon can tell from noise; the engine uses it on one step in
     `challenge_period` (those steps the exploration rows leave).
+    `table` rows naming `min_ctx` / `max_ctx` form context bands (see check_table_covers); an
+    exploring or challenging row naming them covers only batches of that mean context.
     """
 
     kind: Literal["policy"] = "policy"
@@ -221,18 +238,49 @@ class PolicyRecord(_Versioned):
 
 
 def check_table_covers(table: list[TableEntry]) -> None:
-    expect = 1
+    """The rows naming no context cover every batch size from 1 without gaps (the last is
+    open-ended); so do the rows of each context band. Each group's rows are consecutive in the
+    list; bands come in increasing, disjoint context ranges."""
+    groups: list[tuple[Optional[tuple[int, Optional[int]]], list[tuple[int, TableEntry]]]] = []
     for i, row in enumerate(table):
+        band = row.ctx_band
+        if groups and groups[-1][0] == band:
+            groups[-1][1].append((i, row))
+        elif band is not None and any(g[0] == band for g in groups):
+            raise ValueError(f"table row {i}: the rows of context band {_band_name(band)} are not consecutive")
+        elif band is None and groups and any(g[0] is None for g in groups):
+            raise ValueError(f"table row {i}: the rows naming no context are not consecutive")
+        else:
+            groups.append((band, [(i, row)]))
+    if not any(g[0] is None for g in groups):
+        raise ValueError("the table needs rows naming no context (they serve batches of unknown context)")
+    prev_hi: Optional[int] = -1
+    for band, rows in groups:
+        _check_covers(rows, "" if band is None else f" (context band {_band_name(band)})")
+        if band is None:
+            continue
+        if prev_hi is None or band[0] <= prev_hi:
+            raise ValueError(f"context band {_band_name(band)} overlaps or precedes the band before it")
+        prev_hi = band[1]
+
+
+def _check_covers(rows: list[tuple[int, TableEntry]], where: str) -> None:
+    expect = 1
+    for k, (i, row) in enumerate(rows):
         if row.min_batch != expect:
             raise ValueError(
-                f"table row {i} starts at batch {row.min_batch}, expected {expect} (no gaps, no overlap)"
+                f"table row {i} starts at batch {row.min_batch}, expected {expect} (no gaps, no overlap){where}"
             )
         if row.max_batch is None:
-            if i != len(table) - 1:
-                raise ValueError(f"table row {i} is open-ended but is not the last row")
+            if k != len(rows) - 1:
+                raise ValueError(f"table row {i} is open-ended but is not the last row{where}")
             return
         expect = row.max_batch + 1
-    raise ValueError("the last table row must be open-ended (max_batch null)")
+    raise ValueError(f"the last table row must be open-ended (max_batch null){where}")
+
+
+def _band_name(band: tuple[int, Optional[int]]) -> str:
+    return f"{band[0]}+" if band[1] is None else f"{band[0]}-{band[1]}"
 
 
 Record = Annotated[Union[StepRecord, PolicyRecord], Field(discriminator="kind")]

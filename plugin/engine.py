@@ -5,7 +5,9 @@ No sglang or torch import: the SGLang hooks (plugin/sglang_hooks.py) and the sim
 
 One decode step, on every TP rank, in the same order:
 
-    decide(batch_size) -> steps          policy seam: AdaptiveSpeculativeParams.get_steps_for_batch
+    decide(batch_size, ctx_tokens) -> steps   policy seam: AdaptiveSpeculativeParams.get_steps_for_batch
+                                         (ctx_tokens: the batch's context, read from host-side lengths
+                                         identical on every rank; None where unknown)
     ... draft / verify ...
     step_record(...) -> frame            rank 0 only: telemetry (attributed by the result's width)
     note_result() -> at_boundary         every `sync_every` results:
@@ -192,7 +194,7 @@ class EngineController:
             path = settings.decision_log.replace("{rank}", str(int(rank)))
             try:
                 self._trace = open(path, "a", buffering=1 << 16)
-                self._trace.write(f"# specctl decisions rank {int(rank)}: step batch_size steps version\n")
+                self._trace.write(f"# specctl decisions rank {int(rank)}: step batch_size steps version [ctx_tokens]\n")
             except OSError as e:
                 self._log_once("warning", f"no decision log ({e})")
 
@@ -210,12 +212,14 @@ class EngineController:
 
     # ------------------------------------------------------------------ decision (every rank)
 
-    def decide(self, batch_size: int) -> int:
-        """The step count for this decode batch; advances the step counter (same on every rank)."""
+    def decide(self, batch_size: int, ctx_tokens: Optional[int] = None) -> int:
+        """The step count for this decode batch; advances the step counter (same on every rank).
+        `ctx_tokens`: the batch's context tokens (all requests), where known: a table with context
+        bands looks the batch up in the band of its mean context; None uses the rows naming none."""
         counter = self.step_counter
         self.step_counter = counter + 1
         try:
-            steps = self.table.decide(batch_size, counter)[0]
+            steps = self.table.decide(batch_size, counter, ctx_tokens)[0]
             if steps not in self.candidate_steps:  # tables are checked on apply; belt and braces
                 raise RuntimeError(f"table chose steps={steps} with no runtime state")
         except Exception as e:  # noqa: BLE001 - the server must keep serving
@@ -225,13 +229,15 @@ class EngineController:
         sc = self.stats.steps_chosen
         sc[steps] = sc.get(steps, 0) + 1
         if self._trace is not None:
-            self._write_trace(counter, batch_size, steps)
+            self._write_trace(counter, batch_size, steps, ctx_tokens)
         return steps
 
-    def _write_trace(self, counter: int, batch_size: int, steps: int) -> None:
+    def _write_trace(self, counter: int, batch_size: int, steps: int, ctx_tokens: Optional[int] = None) -> None:
         try:
             v = self.active_version
-            self._trace.write(f"{counter} {batch_size} {steps} {'F' if v is None else v}\n")
+            # a fifth field, the batch's ctx_tokens, where it was known (the audit replays bands with it)
+            ctx = "" if ctx_tokens is None else f" {ctx_tokens}"
+            self._trace.write(f"{counter} {batch_size} {steps} {'F' if v is None else v}{ctx}\n")
         except Exception as e:  # noqa: BLE001 - a diagnostic: never a reason to stop deciding
             self._trace_failed(e)
 

@@ -1,7 +1,9 @@
 """The SGLang side of the plugin: hooks around the EngineController (plugin/engine.py).
 
     REPLACE  AdaptiveSpeculativeParams           -> SpecctlSpeculativeParams: decide() per decode batch
-    AROUND   EAGLEWorkerV2.forward_batch_generation  CUDA events around the decode step (rank 0)
+    AROUND   EAGLEWorkerV2.forward_batch_generation  CUDA events around the decode step (rank 0); the
+             batch's context (sum of its requests' host-side kv_committed_len, the same on every rank)
+             read before SGLang asks the policy, for the decision and the step's telemetry
     AFTER    SchedulerBatchResultProcessor._resolve_spec_v2_tokens
              every rank, every decode result, same order: telemetry (rank 0), and every
              `sync_every` results rank 0's pending policy is broadcast on the TP group and applied.
@@ -163,6 +165,9 @@ class PluginRuntime:
         self._prev_launch: Optional[tuple[int, float]] = None
         self._warned: set[str] = set()
         self.plain: Any = None  # the decode state (plain_decode.PlainDecode), once built
+        # the batch's context, read by the forward hook for get_steps_for_batch: (batch size, ctx_tokens)
+        self._ctx_pending: Optional[tuple[int, int]] = None
+        self._ctx_get: Optional[Callable[[Any], int]] = None  # per-request committed length, by version
 
     # ---------------------------------------------------------------- start-up
 
@@ -373,20 +378,75 @@ class PluginRuntime:
 
     def on_forward(self, orig: Callable[..., Any], worker: Any, *args: Any, **kwargs: Any) -> Any:
         timer = self.timer
-        mark = None
+        mark = ctx = None
+        self._ctx_pending = None
         try:
             batch = args[0] if args else kwargs["batch"]
-            if not (batch.forward_mode.is_extend() or batch.is_extend_in_batch):
-                mark = timer.start()
+            decode = not (batch.forward_mode.is_extend() or batch.is_extend_in_batch)
         except Exception as e:  # noqa: BLE001
             self._disable_timing(e)
+            decode = False
+        if decode and self._wants_ctx():
+            ctx = self._batch_ctx(batch)
+            if ctx is not None:
+                self._ctx_pending = (len(batch.reqs), ctx)
+        if decode and timer is not None:
+            try:
+                mark = timer.start()
+            except Exception as e:  # noqa: BLE001
+                self._disable_timing(e)
         out = orig(worker, *args, **kwargs)
+        self._ctx_pending = None  # asked for inside orig, or not at all: never used for another batch
         if mark is not None:
             try:
                 out._specctl_timing = timer.stop(mark)
             except Exception as e:  # noqa: BLE001
                 self._disable_timing(e)
+        if ctx is not None and self.telemetry_on:
+            try:
+                out._specctl_ctx = ctx
+            except Exception:  # noqa: BLE001 - a result without attributes: telemetry goes without it
+                pass
         return out
+
+    def _wants_ctx(self) -> bool:
+        """Read the context where it is used: rank 0's telemetry, and every rank's decision while the
+        table in force decides by context (bands, or rows for a context band): the same table on every
+        rank at every step, so every rank reads it for the same batches."""
+        eng = self.engine
+        return self.telemetry_on or (eng is not None and bool(getattr(eng.table, "uses_ctx", False)))
+
+    def _batch_ctx(self, batch: Any) -> Optional[int]:
+        """Context tokens of a decode batch: the sum of its requests' kv_committed_len, host-side
+        integers SGLang keeps for its own KV allocation and updates in the same order on every TP
+        rank (0.5.17: on the Req; 0.5.2x: on req.kv). Under the overlap scheduler it lags the device
+        by one verify; no tensor is touched."""
+        try:
+            reqs = batch.reqs
+            get = self._ctx_get
+            if get is None:
+                if not reqs:
+                    return None
+                import operator
+
+                get = operator.attrgetter("kv_committed_len" if hasattr(reqs[0], "kv_committed_len")
+                                          else "kv.kv_committed_len")
+                int(get(reqs[0]))
+                self._ctx_get = get
+            return int(sum(map(get, reqs)))
+        except Exception as e:  # noqa: BLE001 - this batch goes by the rows naming no context
+            # nothing sticky: a rank that read the context for telemetry alone must not decide otherwise
+            # later than the ranks that did not; the same batch fails alike on every rank
+            self._ctx_get = None
+            self._ctx_pending = None
+            self.warn_once(f"the batch's context is unreadable ({type(e).__name__}: {e}): such batches are "
+                           f"decided by the rows naming no context, their telemetry carries no ctx_tokens")
+            return None
+
+    def take_ctx(self, batch_size: int) -> Optional[int]:
+        """The context the forward hook read for this decode batch (get_steps_for_batch), once."""
+        p, self._ctx_pending = self._ctx_pending, None
+        return p[1] if p is not None and p[0] == batch_size else None
 
     def on_result(self, processor: Any, result: Any, batch: Any) -> None:
         """Every rank, every decode result, in the same order (the scheduler is SPMD)."""
@@ -418,7 +478,8 @@ class PluginRuntime:
         off_path = getattr(result, "_specctl_off_path", "verify") if width == 1 else None
         frame = eng.step_record(iter=it, ts=launch + self.wall_offset_s, batch_size=len(batch.reqs),
                                 draft_tokens=width, accepted=result.num_correct_drafts_per_req_cpu,
-                                step_ms=step_ms, off_path=off_path)
+                                step_ms=step_ms, ctx_tokens=getattr(result, "_specctl_ctx", None),
+                                off_path=off_path)
         self.sender.send(frame)
 
     def _sync(self, eng: EngineController) -> None:
@@ -522,7 +583,8 @@ def make_policy_class(base: type) -> type:
             eng = self.specctl
             if eng is None:
                 return super().get_steps_for_batch(batch_size)
-            return eng.decide(batch_size)
+            rt = _RUNTIME
+            return eng.decide(batch_size, rt.take_ctx(batch_size) if rt is not None else None)
 
         def on_verify_complete(self, num_correct_drafts_per_req: list[int], batch_size: int) -> Optional[int]:
             if self.specctl is None:
@@ -576,7 +638,7 @@ def runtime() -> Optional[PluginRuntime]:
 
 def _around_forward(orig: Callable[..., Any], worker: Any, *args: Any, **kwargs: Any) -> Any:
     rt = _RUNTIME
-    if rt is None or rt.timer is None:
+    if rt is None or (rt.timer is None and not rt._wants_ctx()):
         return orig(worker, *args, **kwargs)
     return rt.on_forward(orig, worker, *args, **kwargs)
 

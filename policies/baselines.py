@@ -368,12 +368,16 @@ class Oracle:
 
     uses_truth = True
 
-    def __init__(self, configs: Sequence[Config], step_ms_all: Callable[[int], np.ndarray], name: str = "oracle"):
+    def __init__(self, configs: Sequence[Config], step_ms_all: Callable[[int], np.ndarray], name: str = "oracle",
+                 step_ms_all_ctx: Optional[Callable[[int, float], np.ndarray]] = None):
         self.name = name
         self.configs = list(configs)
         self._step_ms_all = step_ms_all
+        self._step_ms_all_ctx = step_ms_all_ctx  # (batch size, mean context per request), where it matters
 
-    def decide_with_truth(self, batch_size: int, tau: np.ndarray) -> Config:
+    def decide_with_truth(self, batch_size: int, tau: np.ndarray, ctx_tokens: Optional[int] = None) -> Config:
+        if ctx_tokens is not None and self._step_ms_all_ctx is not None:
+            return self.configs[int(np.argmax(tau / self._step_ms_all_ctx(batch_size, ctx_tokens / batch_size)))]
         return self.configs[int(np.argmax(tau / self._step_ms_all(batch_size)))]
 
     def decide(self, batch_size: int) -> Config:
@@ -384,9 +388,11 @@ class Oracle:
 
 
 def build_baseline(name: PolicyName | str, config_names: Sequence[str], configs: Sequence[Config],
-                   step_ms_all: Callable[[int], np.ndarray]) -> Any:
+                   step_ms_all: Callable[[int], np.ndarray],
+                   step_ms_all_ctx: Optional[Callable[[int, float], np.ndarray]] = None) -> Any:
     """A baseline policy for a profile with these configs; `adaptive` is built by the simulator
-    side (it runs the controller service), not here."""
+    side (it runs the controller service), not here. `step_ms_all_ctx`: step times at a mean
+    context per request, for a profile with a context term (the oracle uses it)."""
     pn = parse_policy_name(name) if isinstance(name, str) else name
     if pn.kind == "off":
         if OFF not in configs:
@@ -404,5 +410,5 @@ def build_baseline(name: PolicyName | str, config_names: Sequence[str], configs:
         # map SGLang's step counts onto the profile's chains (topk 1)
         return SGLangEMA({c[0]: c for c in configs if c[1] == 1})
     if pn.kind == "oracle":
-        return Oracle(configs, step_ms_all)
+        return Oracle(configs, step_ms_all, step_ms_all_ctx=step_ms_all_ctx)
     raise ValueError(f"policy {pn}: not a baseline")

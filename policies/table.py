@@ -2,6 +2,8 @@
 
 Pure data (stdlib only): configurations are `(steps, topk, draft_tokens)` tuples; the table is
 built from the DESIGN.md policy JSON (a dict) so that the plugin and the simulator share it.
+Optional context bands: rows naming `min_ctx` / `max_ctx` (mean context tokens per request of the
+batch) form one gap-free table per band; rows naming neither serve any context.
 """
 
 from __future__ import annotations
@@ -37,17 +39,97 @@ class Row:
     min_batch: int
     max_batch: Optional[int]  # None = open-ended (last row)
     config: Config
+    # exploring and challenging rows only: the row covers batches whose mean context per request is
+    # in [min_ctx, max_ctx] (None: no bound; both None: any context). A table's rows are grouped in Bands.
+    min_ctx: Optional[int] = None
+    max_ctx: Optional[int] = None
 
 
-def rows_from_obj(items: Iterable[Mapping[str, Any]]) -> tuple[Row, ...]:
-    """Rows from their DESIGN.md JSON form (`min_batch`, `max_batch` or null, `config`)."""
+@dataclass(frozen=True)
+class Band:
+    """The rows for batches whose mean context tokens per request lie in [min_ctx, max_ctx]
+    (max_ctx None: no upper bound); the rows cover every batch size from 1, like a table's."""
+
+    min_ctx: int
+    max_ctx: Optional[int]
+    rows: tuple[Row, ...]
+
+    def covers(self, mean_ctx: int) -> bool:
+        return self.min_ctx <= mean_ctx and (self.max_ctx is None or mean_ctx <= self.max_ctx)
+
+
+def ctx_band_index(mean_ctx: int) -> int:
+    """Power-of-2 context band of a mean context length: 0 = [0, 1], k = [2**k, 2**(k+1) - 1]."""
+    return max(0, int(mean_ctx).bit_length() - 1)
+
+
+def ctx_band_range(k: int) -> tuple[int, int]:
+    return (0, 1) if k <= 0 else (1 << k, (1 << (k + 1)) - 1)
+
+
+def mean_ctx(ctx_tokens: int, batch_size: int) -> int:
+    """Mean context tokens per request of a batch (what min_ctx / max_ctx are compared with)."""
+    return int(ctx_tokens) // max(1, int(batch_size))
+
+
+def rows_from_obj(items: Iterable[Mapping[str, Any]], *, with_ctx: bool = True) -> tuple[Row, ...]:
+    """Rows from their DESIGN.md JSON form (`min_batch`, `max_batch` or null, `config`, and for
+    exploring rows optionally `min_ctx` / `max_ctx`; `with_ctx` False drops those)."""
+    def opt(r: Mapping[str, Any], k: str) -> Optional[int]:
+        v = r.get(k) if with_ctx else None
+        return None if v is None else int(v)
+
     return tuple(Row(int(r["min_batch"]), None if r.get("max_batch") is None else int(r["max_batch"]),
-                     config_from_obj(r["config"])) for r in items)
+                     config_from_obj(r["config"]), opt(r, "min_ctx"), opt(r, "max_ctx")) for r in items)
 
 
 def rows_to_obj(rows: Iterable[Row]) -> list[dict[str, Any]]:
-    return [{"min_batch": r.min_batch, "max_batch": r.max_batch, "config": config_to_obj(r.config)}
-            for r in rows]
+    out = []
+    for r in rows:
+        o: dict[str, Any] = {"min_batch": r.min_batch, "max_batch": r.max_batch, "config": config_to_obj(r.config)}
+        if r.min_ctx is not None:
+            o["min_ctx"] = r.min_ctx
+        if r.max_ctx is not None:
+            o["max_ctx"] = r.max_ctx
+        out.append(o)
+    return out
+
+
+def split_table_obj(items: Iterable[Mapping[str, Any]]) -> tuple[tuple[Row, ...], tuple[Band, ...]]:
+    """A policy's `table` list -> (rows naming no context, context bands in list order). Rows of
+    one band must be consecutive in the list."""
+    plain: list[Mapping[str, Any]] = []
+    groups: list[tuple[tuple[int, Optional[int]], list[Mapping[str, Any]]]] = []
+    last: Any = ()
+    for r in items:
+        lo, hi = r.get("min_ctx"), r.get("max_ctx")
+        key = None if lo is None and hi is None else (0 if lo is None else int(lo), None if hi is None else int(hi))
+        if key is None:
+            plain.append(r)
+        elif last == key:
+            groups[-1][1].append(r)
+        elif any(k == key for k, _ in groups):
+            raise ValueError(f"the rows of context band {_band_text(*key)} are not consecutive")
+        else:
+            groups.append((key, [r]))
+        last = key
+    return (rows_from_obj(plain, with_ctx=False),
+            tuple(Band(k[0], k[1], rows_from_obj(g, with_ctx=False)) for k, g in groups))
+
+
+def bands_to_obj(bands: Iterable[Band]) -> list[dict[str, Any]]:
+    out = []
+    for band in bands:
+        for r in rows_to_obj(band.rows):
+            r["min_ctx"] = band.min_ctx
+            if band.max_ctx is not None:
+                r["max_ctx"] = band.max_ctx
+            out.append(r)
+    return out
+
+
+def _band_text(lo: int, hi: Optional[int]) -> str:
+    return f"{lo}+" if hi is None else f"{lo}-{hi}"
 
 
 @dataclass(frozen=True)
@@ -60,6 +142,10 @@ class PolicyTable:
     that looks better than the table's choice in a range, by less than the controller can tell
     from noise) are used likewise on the other steps where `step_counter % challenge_period ==
     0`.
+
+    `bands` (optional, sorted, disjoint): per range of mean context tokens per request, rows used
+    instead of `rows` for a batch whose context is known and falls in the band; `rows` serve the
+    batches whose context is unknown or outside every band.
     """
 
     rows: tuple[Row, ...]
@@ -69,13 +155,21 @@ class PolicyTable:
     challenge_period: int = 0
     version: int = 0
     source: str = "fixed"
+    bands: tuple[Band, ...] = ()
     _starts: tuple[int, ...] = field(default=(), repr=False, compare=False)
+    _band_lo: tuple[int, ...] = field(default=(), repr=False, compare=False)
+    _band_starts: tuple[tuple[int, ...], ...] = field(default=(), repr=False, compare=False)
+    uses_ctx: bool = field(default=False, repr=False, compare=False, init=False)  # bands or banded rows
 
     def __post_init__(self) -> None:
-        why = table_problem(self.rows)
+        why = table_problem(self.rows) or bands_problem(self.bands)
         if why:
             raise ValueError(why)
         object.__setattr__(self, "_starts", tuple(r.min_batch for r in self.rows))
+        object.__setattr__(self, "_band_lo", tuple(b.min_ctx for b in self.bands))
+        object.__setattr__(self, "_band_starts", tuple(tuple(r.min_batch for r in b.rows) for b in self.bands))
+        object.__setattr__(self, "uses_ctx", bool(self.bands) or any(
+            r.min_ctx is not None or r.max_ctx is not None for r in self.explore + self.challenge))
 
     @classmethod
     def from_rows(cls, rows: Iterable[tuple[int, Optional[int], Config]], **kw: Any) -> "PolicyTable":
@@ -84,36 +178,59 @@ class PolicyTable:
     @classmethod
     def from_policy_obj(cls, obj: Mapping[str, Any]) -> "PolicyTable":
         """From the DESIGN.md policy JSON (already parsed into dicts)."""
-        return cls(rows=rows_from_obj(obj["table"]), explore=rows_from_obj(obj.get("explore") or ()),
+        rows, bands = split_table_obj(obj["table"])
+        return cls(rows=rows, explore=rows_from_obj(obj.get("explore") or ()),
                    explore_period=int(obj.get("explore_period") or 0),
                    challenge=rows_from_obj(obj.get("challenge") or ()),
                    challenge_period=int(obj.get("challenge_period") or 0),
-                   version=int(obj.get("version", 0)), source=str(obj.get("source", "file")))
+                   version=int(obj.get("version", 0)), source=str(obj.get("source", "file")),
+                   bands=bands)
 
-    def lookup(self, batch_size: int) -> Config:
+    def lookup(self, batch_size: int, ctx_tokens: Optional[int] = None) -> Config:
+        """The row covering batch_size: of the band covering the batch's mean context when
+        ctx_tokens (the batch's context tokens, all requests) is known, else of `rows`."""
+        if ctx_tokens is not None and self.bands:
+            k = self.band_index(mean_ctx(ctx_tokens, batch_size))
+            if k is not None:
+                starts = self._band_starts[k]
+                return self.bands[k].rows[bisect.bisect_right(starts, max(1, batch_size)) - 1].config
         i = bisect.bisect_right(self._starts, max(1, batch_size)) - 1
         return self.rows[i].config
 
-    def decide(self, batch_size: int, step_counter: int) -> Config:
+    def band_index(self, mean_ctx_tokens: int) -> Optional[int]:
+        """Index of the band covering this mean context per request, or None."""
+        k = bisect.bisect_right(self._band_lo, mean_ctx_tokens) - 1
+        if k < 0:
+            return None
+        hi = self.bands[k].max_ctx
+        return k if hi is None or mean_ctx_tokens <= hi else None
+
+    def rows_for(self, mean_ctx_tokens: Optional[int]) -> tuple[Row, ...]:
+        """The rows a batch of this mean context per request (None: unknown) is looked up in."""
+        k = None if mean_ctx_tokens is None else self.band_index(mean_ctx_tokens)
+        return self.rows if k is None else self.bands[k].rows
+
+    def decide(self, batch_size: int, step_counter: int, ctx_tokens: Optional[int] = None) -> Config:
         if self.explore and self.explore_period > 0 and step_counter % self.explore_period == 0:
-            c = _rotate(self.explore, self.explore_period, batch_size, step_counter)
+            c = _rotate(self.explore, self.explore_period, batch_size, step_counter, ctx_tokens)
             if c is not None:
                 return c
         if self.challenge and self.challenge_period > 0 and step_counter % self.challenge_period == 0:
-            c = _rotate(self.challenge, self.challenge_period, batch_size, step_counter)
+            c = _rotate(self.challenge, self.challenge_period, batch_size, step_counter, ctx_tokens)
             if c is not None:
                 return c
-        return self.lookup(batch_size)
+        return self.lookup(batch_size, ctx_tokens)
 
     def configs(self) -> list[Config]:
         out: list[Config] = []
-        for r in self.rows + self.explore + self.challenge:
+        for r in self.rows + self.explore + self.challenge + tuple(r for b in self.bands for r in b.rows):
             if r.config not in out:
                 out.append(r.config)
         return out
 
     def to_rows_obj(self) -> list[dict[str, Any]]:
-        return rows_to_obj(self.rows)
+        """The policy's `table` list: the rows naming no context, then each band's rows."""
+        return rows_to_obj(self.rows) + bands_to_obj(self.bands)
 
     def boundaries(self) -> list[tuple[int, Config, Config]]:
         """(first batch of the new row, config before, config after) for each change."""
@@ -132,13 +249,22 @@ class PolicyTable:
         return last_spec.max_batch + 1
 
 
-def _in(r: Row, b: int) -> bool:
-    return r.min_batch <= b and (r.max_batch is None or b <= r.max_batch)
+def _in(r: Row, b: int, ctx_tokens: Optional[int] = None) -> bool:
+    if not (r.min_batch <= b and (r.max_batch is None or b <= r.max_batch)):
+        return False
+    if r.min_ctx is None and r.max_ctx is None:
+        return True
+    if ctx_tokens is None:
+        return False  # a row for a context band covers no batch of unknown context
+    m = mean_ctx(ctx_tokens, b)
+    return (r.min_ctx or 0) <= m and (r.max_ctx is None or m <= r.max_ctx)
 
 
-def _rotate(rows: Sequence[Row], period: int, b: int, step_counter: int) -> Optional[Config]:
-    """The rows covering batch size b in turn, one per `period` steps; None if none covers it."""
-    hits = [r for r in rows if _in(r, b)]
+def _rotate(rows: Sequence[Row], period: int, b: int, step_counter: int,
+            ctx_tokens: Optional[int] = None) -> Optional[Config]:
+    """The rows covering batch size b (and the batch's context, for rows of a context band) in
+    turn, one per `period` steps; None if none covers it."""
+    hits = [r for r in rows if _in(r, b, ctx_tokens)]
     return hits[(step_counter // period) % len(hits)].config if hits else None
 
 
@@ -156,6 +282,23 @@ def table_problem(rows: Sequence[Row]) -> Optional[str]:
             return f"table row {i} ends before it starts"
         expect = r.max_batch + 1
     return "the last table row must be open-ended"
+
+
+def bands_problem(bands: Sequence[Band]) -> Optional[str]:
+    """Why these context bands are not valid (a band's rows are not a table, bands overlap or
+    are out of order), or None."""
+    prev_hi: Optional[int] = -1
+    for band in bands:
+        name = _band_text(band.min_ctx, band.max_ctx)
+        if band.min_ctx < 0 or (band.max_ctx is not None and band.max_ctx < band.min_ctx):
+            return f"context band {name} is empty or negative"
+        if prev_hi is None or band.min_ctx <= prev_hi:
+            return f"context band {name} overlaps or precedes the band before it"
+        why = table_problem(band.rows)
+        if why:
+            return f"context band {name}: {why}"
+        prev_hi = band.max_ctx
+    return None
 
 
 def rows_from_choices(choices: Sequence[Config]) -> tuple[Row, ...]:

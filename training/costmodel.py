@@ -5,6 +5,12 @@
 Recent traffic dominates: a step-time sample's weight halves every `half_life_s` of its timestamp
 age (a property of model + hardware: slow); acceptance halves every `accept_half_life_s` (a
 property of the traffic: it shifts within a minute when the prompt mix does).
+
+Context: where telemetry carries `ctx_tokens` (the batch's context tokens, all requests), step
+time is t(c, b, L) = f_c(b) + g_c * b * L, L the mean context per request: g_c (ms per context
+token) from the within-(config, batch size) covariance of step time and ctx_tokens, f_c the same
+monotone fit as without context, through step times with g_c * ctx_tokens taken off. Without
+ctx_tokens nothing of this runs and every figure is what it was.
 """
 
 from __future__ import annotations
@@ -17,6 +23,8 @@ from typing import Any, Iterable, Optional, Sequence
 
 import numpy as np
 from sklearn.isotonic import IsotonicRegression
+
+from specctl.policies.table import ctx_band_index, mean_ctx
 
 Config = tuple[int, int, int]  # (steps, topk, draft_tokens)
 OFF: Config = (0, 1, 1)
@@ -33,6 +41,11 @@ ACCEPT_CAP_PER_S = 64.0  # requests one second of traffic may weigh in the accep
 ACCEPT_STEPS_PER_REQUEST = 16.0  # of one request's steps in a second, this many count (see _AcceptCell)
 ACCEPT_VAR_FLOOR = 0.05  # accepted-drafts variance assumed at least (a one-bar histogram has none)
 _REBASE_HALF_LIVES = 256.0  # renormalise decayed weights long before 2**(age/half_life) overflows
+# a context slope is used only where it is this many standard errors above 0 (else step time is
+# taken not to depend on the context: no bands come of noise)
+CTX_SLOPE_Z = 3.0
+CTX_CLIP = 4.0  # a step time this many times its cell's median is clipped there for the slope
+_NAN = float("nan")
 
 
 def config_name(c: Config) -> str:
@@ -68,12 +81,14 @@ class Sample:
     mean_accepted: Optional[float] = None
     server: str = ""
     rank: int = 0
+    ctx_tokens: Optional[int] = None  # context tokens of the whole batch, where known
 
     @classmethod
     def from_record(cls, rec: Any) -> "Sample":
         c = rec.config
         return cls(ts=rec.ts, config=(c.steps, c.topk, c.draft_tokens), batch_size=rec.batch_size,
-                   step_ms=rec.step_ms, accepted=rec.accepted, server=rec.server, rank=rec.rank)
+                   step_ms=rec.step_ms, accepted=rec.accepted, server=rec.server, rank=rec.rank,
+                   ctx_tokens=rec.ctx_tokens)
 
 
 @dataclass
@@ -97,6 +112,9 @@ class _TimeCell:
     warm: deque = field(default_factory=lambda: deque(maxlen=RING))
     warm_ts: deque = field(default_factory=lambda: deque(maxlen=RING))
     warm_since_steady: int = 0  # post-switch values taken since the newest steady one
+    # the batch's ctx_tokens of each value (nan: unknown), beside `recent` and `warm`
+    recent_ctx: deque = field(default_factory=lambda: deque(maxlen=RING))
+    warm_ctx: deque = field(default_factory=lambda: deque(maxlen=RING))
 
     def settled(self) -> tuple[Sequence[float], float]:
         """The values the cell's median is taken over, and the decayed weight behind them."""
@@ -107,6 +125,15 @@ class _TimeCell:
             return self.recent, self.weight
         return self.warm, self.warm_weight
 
+    def settled_ctx(self) -> Sequence[float]:
+        """The ctx_tokens of the values `settled` returns, in the same order."""
+        fresh = min(self.warm_since_steady, len(self.warm))
+        if fresh >= FRESH_WARM:
+            return list(itertools.islice(self.warm_ctx, len(self.warm_ctx) - fresh, None))
+        if len(self.recent) >= MIN_SETTLED or not self.warm:
+            return self.recent_ctx
+        return self.warm_ctx
+
     def values_since(self, ts: float, enough: int) -> int:
         """How many values (steady or not) are stamped at or after ts, counting up to `enough`."""
         n = 0
@@ -116,6 +143,52 @@ class _TimeCell:
                     break
                 n += 1
         return n
+
+
+@dataclass
+class _CtxCell:
+    """Decayed weighted moments of (ctx_tokens x, step time t) of one (config, batch size), steps
+    after a switch included (West's incremental algorithm): the context slope's sufficient
+    statistics. Unlike the cell's ring of recent values these keep the whole step-time half-life,
+    so traffic that alternates between short and long contexts is seen in both, whichever ran last."""
+
+    w: float = 0.0
+    mx: float = 0.0
+    mt: float = 0.0
+    mxx: float = 0.0
+    mxt: float = 0.0
+    mtt: float = 0.0
+
+    def add(self, w: float, x: float, t: float) -> None:
+        self.w += w
+        r = w / self.w
+        dx = x - self.mx
+        dt = t - self.mt
+        self.mx += r * dx
+        self.mt += r * dt
+        self.mxx += w * dx * (x - self.mx)
+        self.mxt += w * dx * (t - self.mt)
+        self.mtt += w * dt * (t - self.mt)
+
+    def scale(self, f: float) -> None:
+        self.w *= f
+        self.mxx *= f
+        self.mxt *= f
+        self.mtt *= f
+
+
+@dataclass
+class _CtxFit:
+    """Step time of one configuration against the context: `slope` ms per context token of the
+    batch (0 where not significantly above 0), its standard error, the monotone fit of step time
+    at no context (None: `slope` is 0 and the plain fit stands), the power-of-2 bands of mean
+    context per request it was measured in, and their weighted mean."""
+
+    slope: float
+    slope_se: float
+    at_zero: Optional["_TimeFit"]
+    bands: tuple[int, ...]
+    mean_ctx: float
 
 
 @dataclass
@@ -274,6 +347,13 @@ class CostModel:
         self.cell_cv_: dict[tuple[Config, int], float] = {}  # robust step-time cv per cell, at refit
         self.cell_n_: dict[tuple[Config, int], float] = {}  # values behind each cell's median, at refit
         self.step_cv_: Optional[float] = None
+        # context (telemetry with ctx_tokens only): slope statistics per cell, decayed step times per
+        # (config, log2 batch region's first batch size, power-of-2 band of mean context), the fits
+        # as of the last refit
+        self.ctx_cells_: dict[tuple[Config, int], _CtxCell] = {}
+        self.ctx_band_w_: dict[tuple[Config, int, int], float] = {}
+        self.ctx_fits_: dict[Config, _CtxFit] = {}
+        self.cell_median_: dict[tuple[Config, int], float] = {}  # as of the last refit
 
     def fit(self, samples: Iterable[Sample]) -> "CostModel":
         self._reset()
@@ -306,6 +386,10 @@ class CostModel:
         for cell in self.times_.values():
             cell.weight *= f
             cell.warm_weight *= f
+        for cc in self.ctx_cells_.values():
+            cc.scale(f)
+        for k in self.ctx_band_w_:
+            self.ctx_band_w_[k] *= f
         for acc in self.accept_.values():
             acc.scale(fa)
             acc.pend_wa *= fa
@@ -361,8 +445,9 @@ class CostModel:
             return
         # step time: the first steps after a switch pay for state changes; skip them (single
         # steps only: an interval-averaged sample has already diluted them)
+        ctx = s.ctx_tokens
         if s.weight > 1:
-            self._add_time(c, s.batch_size, w, s.step_ms, False, s.ts)  # type: ignore[arg-type]
+            self._add_time(c, s.batch_size, w, s.step_ms, False, s.ts, ctx)  # type: ignore[arg-type]
             return
         key = (s.server, s.rank)
         prev = self.last_config_.get(key)
@@ -376,28 +461,53 @@ class CostModel:
         warm = n <= self.warmup_steps
         if warm:
             self.num_warmup_dropped_ += 1
-        self._add_time(c, s.batch_size, w, s.step_ms, warm, s.ts)  # type: ignore[arg-type]
+        self._add_time(c, s.batch_size, w, s.step_ms, warm, s.ts, ctx)  # type: ignore[arg-type]
 
-    def _add_time(self, c: Config, batch_size: int, w: float, step_ms: float, warm: bool, ts: float) -> None:
+    def _add_time(self, c: Config, batch_size: int, w: float, step_ms: float, warm: bool, ts: float,
+                  ctx: Optional[int] = None) -> None:
         b = min(batch_size, self.max_batch)
         cell = self.times_.get((c, b))
         if cell is None:
             cell = self.times_[(c, b)] = _TimeCell()
+        x = _NAN if ctx is None else float(ctx)
         if warm:
             # kept aside: used only where a configuration never runs long enough to settle
             # (an engine switching every step pays the switch every step)
             cell.warm_weight += w
             cell.warm.append(step_ms)
             cell.warm_ts.append(ts)
+            cell.warm_ctx.append(x)
             cell.warm_since_steady += 1
+            if ctx is not None:
+                self._add_ctx(c, b, w, x, step_ms, batch_size, ctx)
         else:
             if cell.warm_since_steady >= FRESH_WARM:  # the steady values were superseded (see _TimeCell)
                 cell.recent.clear()
                 cell.recent_ts.clear()
+                cell.recent_ctx.clear()
             cell.weight += w
             cell.recent.append(step_ms)
             cell.recent_ts.append(ts)
+            cell.recent_ctx.append(x)
             cell.warm_since_steady = 0
+            if ctx is not None:
+                self._add_ctx(c, b, w, x, step_ms, batch_size, ctx)
+
+    def _add_ctx(self, c: Config, b: int, w: float, x: float, step_ms: float, batch_size: int, ctx: int) -> None:
+        """Steps right after a switch count too: a configuration the table runs in one context
+        band is measured in the others only by exploring steps, single steps after a switch; what a
+        switch costs (a few % of a step) biases the slope far less than leaving it unmeasured."""
+        key = (c, b)
+        cc = self.ctx_cells_.get(key)
+        if cc is None:
+            cc = self.ctx_cells_[key] = _CtxCell()
+        ref = self.cell_median_.get(key)
+        if ref is not None:
+            # one wild step (a stall) would move a least-squares slope more than the context does
+            step_ms = min(step_ms, CTX_CLIP * ref)
+        cc.add(w, x, step_ms)
+        cov = (c, _region_of(b), ctx_band_index(mean_ctx(ctx, batch_size)))
+        self.ctx_band_w_[cov] = self.ctx_band_w_.get(cov, 0.0) + w
 
     # ------------------------------------------------------------------ fitting
 
@@ -415,7 +525,8 @@ class CostModel:
                 # is not a dip), so that the cell stays pooled
                 n, cv = self._cell_noise((c, b))
                 se = MEDIAN_SE * cv / math.sqrt(n) if self.step_cv_ is not None and n >= MIN_SETTLED else math.inf
-                by_config.setdefault(c, []).append((b, float(np.median(values)), weight, se))
+                med = self.cell_median_[(c, b)] = float(np.median(values))
+                by_config.setdefault(c, []).append((b, med, weight, se))
         fits: dict[Config, _TimeFit] = {}
         for c, pts in by_config.items():
             pts.sort()
@@ -426,7 +537,67 @@ class CostModel:
             if len(f.b) == 1 and shape is not None:
                 f.borrow_shape(shape)
         self.fitted_ = fits
+        if self.ctx_cells_:
+            self._refit_ctx()
         return self
+
+    def _refit_ctx(self) -> None:
+        """Per configuration: the context slope g (weighted least squares of step time on the batch's
+        ctx_tokens within each batch size, pooled over batch sizes: a cell's own level is its batch
+        size's f), kept where it is CTX_SLOPE_Z standard errors above 0; then f through the cells'
+        medians of t - g * ctx_tokens over their recent values, as the plain fit is made."""
+        now_f = self._now_factor()
+        fits: dict[Config, _CtxFit] = {}
+        by_config: dict[Config, list[tuple[int, _CtxCell]]] = {}
+        for (c, b), cc in self.ctx_cells_.items():
+            by_config.setdefault(c, []).append((b, cc))
+        for c, cells in by_config.items():
+            sxx = sum(cc.mxx for _, cc in cells) * now_f
+            sxt = sum(cc.mxt for _, cc in cells) * now_f
+            stt = sum(cc.mtt for _, cc in cells) * now_f
+            n = sum(cc.w for _, cc in cells) * now_f
+            dof = n - len(cells) - 1.0
+            slope, se = 0.0, math.inf
+            if sxx > 0 and dof > 0:
+                slope = sxt / sxx
+                resid = max(0.0, stt - slope * sxt)
+                se = math.sqrt(resid / dof / sxx)
+            if not (slope > 0 and slope > CTX_SLOPE_Z * se):
+                slope = 0.0
+            per_band: dict[int, float] = {}
+            for (cfg, _, k), w in self.ctx_band_w_.items():
+                if cfg == c:
+                    per_band[k] = per_band.get(k, 0.0) + w
+            bands = tuple(sorted(k for k, w in per_band.items() if w * now_f >= 1.0))
+            wsum = sum(cc.w for _, cc in cells)
+            # the mean context per request the slope was measured around (cells at their own batch size)
+            mean = sum(cc.w * cc.mx / b for b, cc in cells) / wsum if wsum > 0 else 0.0
+            at_zero = self._fit_at_zero(c, slope) if slope > 0 else None
+            if slope > 0 and at_zero is None:
+                slope = 0.0
+            fits[c] = _CtxFit(slope=slope, slope_se=se, at_zero=at_zero, bands=bands, mean_ctx=mean)
+        self.ctx_fits_ = fits
+
+    def _fit_at_zero(self, c: Config, slope: float) -> Optional["_TimeFit"]:
+        pts = []
+        for (k, b), cell in self.times_.items():
+            if k != c:
+                continue
+            values, weight = cell.settled()
+            ctxs = cell.settled_ctx()
+            corrected = [t - slope * x for t, x in zip(values, ctxs) if x == x]  # x == x: not nan
+            if not corrected:
+                continue
+            n, cv = self._cell_noise((c, b))
+            se = MEDIAN_SE * cv / math.sqrt(n) if self.step_cv_ is not None and n >= MIN_SETTLED else math.inf
+            pts.append((b, max(float(np.median(corrected)), 1e-6), weight, se))
+        if not pts:
+            return None
+        pts.sort()
+        f = _TimeFit.build(pts)
+        if len(f.b) == 1 and self.fitted_ and c in self.fitted_ and len(self.fitted_[c].b) >= 2:
+            f.borrow_shape(self.fitted_[c])
+        return f
 
     def _check(self) -> dict[Config, "_TimeFit"]:
         if getattr(self, "fitted_", None) is None:
@@ -448,6 +619,67 @@ class CostModel:
         if f is None:
             raise KeyError(f"no step-time measurements for {config_name(c)}")
         return f.predict(np.asarray(batch_sizes, dtype=float))
+
+    def has_ctx(self) -> bool:
+        """Whether any step time came with its batch's ctx_tokens (as of the last refit)."""
+        return bool(self.ctx_fits_)
+
+    def ctx_slope(self, c: Config) -> tuple[float, float]:
+        """(ms per context token of the batch, its standard error) of c; (0, inf) where unmeasured.
+        A slope not significantly above 0 reads 0."""
+        f = self.ctx_fits_.get(tuple(c))  # type: ignore[arg-type]
+        return (0.0, math.inf) if f is None else (f.slope, f.slope_se)
+
+    def ctx_bands(self, c: Optional[Config] = None) -> list[int]:
+        """Power-of-2 bands of mean context per request (policies.table.ctx_band_index) with at
+        least one decayed step time of c (of any configuration when c is None)."""
+        out: set[int] = set()
+        for k, f in self.ctx_fits_.items():
+            if c is None or k == tuple(c):
+                out.update(f.bands)
+        return sorted(out)
+
+    def ctx_band_samples(self) -> dict[int, float]:
+        """Decayed step times per power-of-2 band of mean context, all configurations."""
+        f = self._now_factor()
+        out: dict[int, float] = {}
+        for (_, _, k), w in self.ctx_band_w_.items():
+            out[k] = out.get(k, 0.0) + w * f
+        return out
+
+    def ctx_coverage(self) -> dict[tuple[Config, int, int], float]:
+        """Decayed step times per (config, log2 batch region's first batch size, context band)."""
+        f = self._now_factor()
+        return {k: w * f for k, w in self.ctx_band_w_.items()}
+
+    def ctx_trusted(self, c: Config, band: int) -> bool:
+        """Whether c's step time at that context band rests on measurements at most one band
+        (a factor of 2) away: a slope carries a prediction that far, not further."""
+        f = self.ctx_fits_.get(tuple(c))  # type: ignore[arg-type]
+        return f is not None and bool(f.bands) and f.bands[0] - 1 <= band <= f.bands[-1] + 1
+
+    def predict_step_ms_ctx(self, c: Config, batch_sizes: Sequence[int] | np.ndarray,
+                            mean_ctx_tokens: float) -> np.ndarray:
+        """Step time of c at these batch sizes when every request has `mean_ctx_tokens` of context:
+        f_c(b) + g_c * b * L where the slope g_c is significant, else the plain prediction."""
+        f = self.ctx_fits_.get(tuple(c))  # type: ignore[arg-type]
+        if f is None or f.at_zero is None:
+            return self.predict_step_ms(c, batch_sizes)
+        b = np.asarray(batch_sizes, dtype=float)
+        return np.maximum(f.at_zero.predict(b) + f.slope * b * float(mean_ctx_tokens), 1e-6)
+
+    def step_ms_ctx_errors(self, c: Config, batch_sizes: Sequence[int] | np.ndarray,
+                           mean_ctx_tokens: float) -> tuple[np.ndarray, np.ndarray]:
+        """step_ms_errors at a mean context: the plain errors, plus the slope's standard error
+        carried from the measured mean context to this one."""
+        se, thin = self.step_ms_errors(c, batch_sizes)
+        f = self.ctx_fits_.get(tuple(c))  # type: ignore[arg-type]
+        if f is None or f.at_zero is None or not math.isfinite(f.slope_se):
+            return se, thin
+        b = np.asarray(batch_sizes, dtype=float)
+        pred = self.predict_step_ms_ctx(c, b, mean_ctx_tokens)
+        carry = f.slope_se * b * abs(float(mean_ctx_tokens) - f.mean_ctx) / pred
+        return np.sqrt(se ** 2 + carry ** 2), thin
 
     def acceptance_by_position(self, c: Config) -> Optional[np.ndarray]:
         """Conditional acceptance a_i (i = 1..steps) pooled over chains, or None if unmeasured."""
@@ -753,17 +985,28 @@ class CostModel:
         """JSON-able aggregate state (not raw samples): restarts resume from it."""
         if not hasattr(self, "times_"):
             self._reset()
-        return {
+        ctx = bool(self.ctx_cells_)  # without context the state is written as it always was
+
+        def ctxs(values: Iterable[float]) -> list[Optional[float]]:
+            return [None if x != x else x for x in values]  # JSON has no nan
+
+        out = {
             "kind": "specctl.model", "version": 1,
             "half_life_s": self.half_life_s, "accept_half_life_s": self.accept_half_life_s,
             "t0": self.t0_, "now": self.now_,
             "num_samples": self.num_samples_, "warmup_dropped": self.num_warmup_dropped_,
             "times": [[list(c), b, cell.weight, list(cell.recent), cell.warm_weight, list(cell.warm),
                        list(cell.recent_ts), list(cell.warm_ts)]
+                      + ([ctxs(cell.recent_ctx), ctxs(cell.warm_ctx)] if ctx else [])
                       for (c, b), cell in self.times_.items()],
             "accept": [[list(c), list(a.current()), a.mean_sum, a.mean_weight,
                         *(m.tolist() for m in a.current_moments())] for c, a in self.accept_.items()],
         }
+        if ctx:
+            out["ctx"] = [[list(c), b, cc.w, cc.mx, cc.mt, cc.mxx, cc.mxt, cc.mtt]
+                          for (c, b), cc in self.ctx_cells_.items()]
+            out["ctx_coverage"] = [[list(c), lo, k, w] for (c, lo, k), w in self.ctx_band_w_.items()]
+        return out
 
     def set_state(self, state: dict[str, Any]) -> "CostModel":
         if state.get("kind") != "specctl.model" or state.get("version") != 1:
@@ -778,8 +1021,14 @@ class CostModel:
             cell.recent.extend(float(x) for x in recent[-RING:])
             cell.warm.extend(float(x) for x in warm[-RING:])
             # states written before values were stamped: stamped with the state's newest time
-            if len(stamps) not in (0, 2):
-                raise ValueError("model state: a step-time cell has neither 6 nor 8 fields")
+            if len(stamps) not in (0, 2, 4):
+                raise ValueError("model state: a step-time cell has neither 6, 8 nor 10 fields")
+            rc, wc = (stamps[2], stamps[3]) if len(stamps) == 4 else ([None] * len(recent), [None] * len(warm))
+            stamps = stamps[:2]
+            if len(rc) != len(recent) or len(wc) != len(warm):
+                raise ValueError("model state: step times and their contexts differ in number")
+            cell.recent_ctx.extend(_NAN if x is None else float(x) for x in rc[-RING:])
+            cell.warm_ctx.extend(_NAN if x is None else float(x) for x in wc[-RING:])
             rts, wts = stamps if stamps else ([self.now_] * len(recent), [self.now_] * len(warm))
             if len(rts) != len(recent) or len(wts) != len(warm):
                 raise ValueError("model state: step times and their timestamps differ in number")
@@ -795,6 +1044,10 @@ class CostModel:
                 cell.sq = np.asarray(moments[0], dtype=float).reshape(k, k)
                 cell.q = np.asarray(moments[1], dtype=float).reshape(k)
             self.accept_[tuple(c)] = cell  # type: ignore[index]
+        for c, b, *m in state.get("ctx", ()):
+            self.ctx_cells_[(tuple(c), int(b))] = _CtxCell(*(float(x) for x in m))  # type: ignore[index]
+        for c, lo, k, w in state.get("ctx_coverage", ()):
+            self.ctx_band_w_[(tuple(c), int(lo), int(k))] = float(w)  # type: ignore[index]
         return self.refit()
 
     def summary(self, max_batch: Optional[int] = None) -> dict[str, Any]:
@@ -821,6 +1074,10 @@ class CostModel:
                 a = self.acceptance_by_position(c)
                 if a is not None and len(a):
                     entry["accept_rate_by_position"] = [round(float(x), 4) for x in a]
+                cf = self.ctx_fits_.get(c)
+                if cf is not None:  # only where telemetry carries ctx_tokens
+                    entry["ctx_ms_per_ktoken"] = round(1000.0 * cf.slope, 6)
+                    entry["ctx_bands"] = list(cf.bands)
             per[config_name(c)] = entry
         return {
             "samples": self.num_samples_,
@@ -896,6 +1153,11 @@ class _TimeFit:
         out[below] = self.y[0] - self.slope_lo * (lo - x[below])
         out[above] = self.y[-1] + self.slope_hi * (x[above] - hi)
         return np.maximum(out, 1e-6)
+
+
+def _region_of(b: int) -> int:
+    """First batch size of the log2 region (see `regions`) holding b."""
+    return 1 << (max(1, int(b)).bit_length() - 1)
 
 
 def _robust_cv(values: Sequence[float]) -> float:

@@ -41,9 +41,11 @@ class AdaptivePolicy:
     """`adaptive`: the plugin's EngineController deciding, the daemon's ControllerService learning,
     in-process on virtual time. Telemetry leaves the engine as the frame bytes it would PUSH; the
     service's published policies come back as the frame bytes it would PUB; the service ticks every
-    `tick_s` (the daemon's poll period)."""
+    `tick_s` (the daemon's poll period). The batch's context, where the simulator knows it, reaches
+    the engine's decision and its telemetry as the plugin's reading of it does."""
 
     uses_truth = False
+    uses_ctx = True
 
     def __init__(self, profile: Profile, *, name: str = "adaptive", tick_s: float = 0.05,
                  service_overrides: Optional[dict[str, Any]] = None,
@@ -97,15 +99,16 @@ class AdaptivePolicy:
                 self.versions.append((self.now, pol.version))
         self._next_tick = self.now + self.tick_s
 
-    def decide(self, batch_size: int) -> Config:
-        return self._config_for_steps[self.engine.decide(batch_size)]
+    def decide(self, batch_size: int, ctx_tokens: Optional[int] = None) -> Config:
+        return self._config_for_steps[self.engine.decide(batch_size, ctx_tokens)]
 
-    def observe(self, batch_size: int, config: Config, accepted: Any, step_ms: float, now_s: float) -> None:
+    def observe(self, batch_size: int, config: Config, accepted: Any, step_ms: float, now_s: float,
+                ctx_tokens: Optional[int] = None) -> None:
         now_s += self.offset_s
         self.now = now_s
         frame = self.engine.step_record(
             iter=self._iter, ts=now_s, batch_size=batch_size, draft_tokens=config[2],
-            accepted=accepted.tolist() if config[0] > 0 else None, step_ms=step_ms)
+            accepted=accepted.tolist() if config[0] > 0 else None, step_ms=step_ms, ctx_tokens=ctx_tokens)
         self._iter += 1
         self.service.observe_frame(frame)
         if self.engine.note_result():
@@ -119,6 +122,7 @@ class LiveAdaptivePolicy:
     wall clock (the simulator paces itself to it)."""
 
     uses_truth = False
+    uses_ctx = True
 
     def __init__(self, profile: Profile, telemetry_endpoint: str, policy_endpoint: str, *,
                  name: str = "adaptive-live", clock: Callable[[], float] = time.time,
@@ -144,13 +148,14 @@ class LiveAdaptivePolicy:
         self._iter = 0
         self.num_frames = 0
 
-    def decide(self, batch_size: int) -> Config:
-        return self._config_for_steps[self.engine.decide(batch_size)]
+    def decide(self, batch_size: int, ctx_tokens: Optional[int] = None) -> Config:
+        return self._config_for_steps[self.engine.decide(batch_size, ctx_tokens)]
 
-    def observe(self, batch_size: int, config: Config, accepted: Any, step_ms: float, now_s: float) -> None:
+    def observe(self, batch_size: int, config: Config, accepted: Any, step_ms: float, now_s: float,
+                ctx_tokens: Optional[int] = None) -> None:
         frame = self.engine.step_record(
             iter=self._iter, ts=self._clock(), batch_size=batch_size, draft_tokens=config[2],
-            accepted=accepted.tolist() if config[0] > 0 else None, step_ms=step_ms)
+            accepted=accepted.tolist() if config[0] > 0 else None, step_ms=step_ms, ctx_tokens=ctx_tokens)
         self._iter += 1
         self.sender.send(frame)
         pol = self.receiver.poll()
@@ -194,7 +199,8 @@ def make_policy(name: str | PolicyName, profile: Profile, workload: Optional[Wor
                 raise ValueError(f"adaptive option {WARM_OPTION} needs seconds > 0 and a workload")
             pol.warm_up(profile, workload, warm_s, seed=seed)
         return pol
-    return build_baseline(pn, profile.config_names, profile.configs, profile.step_ms_all)
+    return build_baseline(pn, profile.config_names, profile.configs, profile.step_ms_all,
+                          profile.step_ms_all_ctx if profile.has_ctx else None)
 
 
 def calibration_workload(workload: Workload, seconds: float, *, seed: int) -> Workload:

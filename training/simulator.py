@@ -5,6 +5,7 @@ Reads the DESIGN.md cost-profile and workload files; seeded, deterministic, nump
 
 from __future__ import annotations
 
+import bisect
 import json
 import math
 from collections import deque
@@ -32,19 +33,40 @@ class SimFileError(ValueError):
 
 @dataclass(frozen=True)
 class Profile:
-    """Step time per configuration, piecewise-linear in batch size (linear beyond the ends)."""
+    """Step time per configuration, piecewise-linear in batch size (linear beyond the ends).
+
+    Optional context term: `points` were measured at `ctx_tokens` mean context tokens per request;
+    `ctx_points` holds the same curves measured at other mean contexts. Step time is then
+    piecewise-linear in the batch's mean context too (between the contexts measured, per
+    configuration and batch size; linear beyond them)."""
 
     name: str
     config_names: tuple[str, ...]
     configs: tuple[Config, ...]
     points: tuple[tuple[tuple[float, float], ...], ...]  # per config, sorted (batch, step_ms)
     noise_cv: float = 0.0
+    ctx_tokens: Optional[float] = None
+    ctx_points: tuple[tuple[float, tuple[tuple[tuple[float, float], ...], ...]], ...] = ()  # (ctx, points)
     _table: np.ndarray = field(default=None, repr=False, compare=False)  # type: ignore[assignment]
+    _ctx_levels: tuple[float, ...] = field(default=(), repr=False, compare=False)
+    _ctx_tables: tuple[np.ndarray, ...] = field(default=(), repr=False, compare=False)
+    _ctx_curves: tuple[tuple[tuple[tuple[float, float], ...], ...], ...] = field(default=(), repr=False, compare=False)
 
     def __post_init__(self) -> None:
         b = np.arange(_TABLE_MAX_BATCH + 1, dtype=float)
         table = np.stack([_interp(b, pts) for pts in self.points])
         object.__setattr__(self, "_table", table)
+        if self.ctx_points:
+            levels = sorted([(float(self.ctx_tokens or 0.0), self.points)] + [(float(c), p) for c, p in self.ctx_points])
+            object.__setattr__(self, "_ctx_levels", tuple(c for c, _ in levels))
+            object.__setattr__(self, "_ctx_curves", tuple(p for _, p in levels))
+            object.__setattr__(self, "_ctx_tables", tuple(
+                table if p is self.points else np.stack([_interp(b, pts) for pts in p]) for _, p in levels))
+
+    @property
+    def has_ctx(self) -> bool:
+        """Whether step time depends on the context (a profile measured at several contexts)."""
+        return bool(self._ctx_levels)
 
     @property
     def num_configs(self) -> int:
@@ -75,6 +97,27 @@ class Profile:
             return self._table[:, batch_size]
         bb = np.array([float(batch_size)])
         return np.array([_interp(bb, pts)[0] for pts in self.points])
+
+    def _at_level(self, j: int, batch_size: int) -> np.ndarray:
+        if batch_size <= _TABLE_MAX_BATCH:
+            return self._ctx_tables[j][:, batch_size]
+        bb = np.array([float(batch_size)])
+        return np.array([_interp(bb, pts)[0] for pts in self._ctx_curves[j]])
+
+    def step_ms_all_ctx(self, batch_size: int, mean_ctx: float) -> np.ndarray:
+        """Noise-free step time of every configuration at one batch size when its requests hold
+        `mean_ctx` context tokens on average (the plain step_ms_all without a context term)."""
+        if not self._ctx_levels:
+            return self.step_ms_all(batch_size)
+        xs = self._ctx_levels
+        j = min(max(bisect.bisect_right(xs, mean_ctx) - 1, 0), len(xs) - 2)
+        lo, hi = self._at_level(j, batch_size), self._at_level(j + 1, batch_size)
+        w = (mean_ctx - xs[j]) / (xs[j + 1] - xs[j])
+        # a falling extrapolation (below the smallest context measured) keeps a floor, as in batch size
+        return np.maximum(lo + w * (hi - lo), 0.1 * np.minimum(lo, hi))
+
+    def step_ms_ctx(self, config_index: int, batch_size: int, mean_ctx: float) -> float:
+        return float(self.step_ms_all_ctx(batch_size, mean_ctx)[config_index])
 
 
 def _interp(b: np.ndarray, pts: Sequence[tuple[float, float]]) -> np.ndarray:
@@ -108,6 +151,21 @@ def parse_profile(obj: Any, source: str = "<profile>") -> Profile:
     names: list[str] = []
     configs: list[Config] = []
     points: list[tuple[tuple[float, float], ...]] = []
+
+    def curve(where: str, pts_raw: Any) -> tuple[tuple[float, float], ...]:
+        try:
+            pts = tuple(sorted((float(p[0]), float(p[1])) for p in pts_raw))
+        except (TypeError, ValueError, IndexError, KeyError):
+            raise bad(f"{where} must be a list of [batch_size, ms] pairs") from None
+        if not pts:
+            raise bad(f"{where} is empty")
+        for b, ms in pts:
+            if not (math.isfinite(b) and math.isfinite(ms)) or b < 1 or ms <= 0:
+                raise bad(f"{where} has point [{b}, {ms}]: batch must be >= 1 and ms > 0")
+        if len({p[0] for p in pts}) != len(pts):
+            raise bad(f"{where} repeats a batch size")
+        return pts
+
     for name, c in configs_obj.items():
         where = f"configs.{name}"
         if not isinstance(c, Mapping):
@@ -125,17 +183,7 @@ def parse_profile(obj: Any, source: str = "<profile>") -> Profile:
         pts_raw = step_obj.get(name)
         if pts_raw is None:
             raise bad(f"step_ms has no entry for config {name!r}")
-        try:
-            pts = tuple(sorted((float(p[0]), float(p[1])) for p in pts_raw))
-        except (TypeError, ValueError, IndexError, KeyError):
-            raise bad(f"step_ms.{name} must be a list of [batch_size, ms] pairs") from None
-        if not pts:
-            raise bad(f"step_ms.{name} is empty")
-        for b, ms in pts:
-            if not (math.isfinite(b) and math.isfinite(ms)) or b < 1 or ms <= 0:
-                raise bad(f"step_ms.{name} has point [{b}, {ms}]: batch must be >= 1 and ms > 0")
-        if len({p[0] for p in pts}) != len(pts):
-            raise bad(f"step_ms.{name} repeats a batch size")
+        pts = curve(f"step_ms.{name}", pts_raw)
         names.append(str(name))
         configs.append(cfg)
         points.append(pts)
@@ -145,8 +193,42 @@ def parse_profile(obj: Any, source: str = "<profile>") -> Profile:
     cv = obj.get("noise_cv", 0.0)
     if not isinstance(cv, (int, float)) or not math.isfinite(cv) or not 0 <= cv < 1:
         raise bad(f"noise_cv must be a number in [0, 1), got {cv!r}")
+    ctx_tokens, ctx_points = _parse_ctx_term(obj, names, curve, bad)
     return Profile(name=str(obj.get("name") or Path(source).stem), config_names=tuple(names),
-                   configs=tuple(configs), points=tuple(points), noise_cv=float(cv))
+                   configs=tuple(configs), points=tuple(points), noise_cv=float(cv),
+                   ctx_tokens=ctx_tokens, ctx_points=ctx_points)
+
+
+def _parse_ctx_term(obj: Mapping[str, Any], names: list[str], curve: Callable[[str, Any], Any],
+                    bad: Callable[[str], SimFileError]) -> tuple[Optional[float], tuple]:
+    """The optional context term: `ctx_tokens` (the mean context per request `step_ms` was measured
+    at) and `ctx_step_ms` (a list of {ctx_tokens, step_ms}: every config's curve at another mean context)."""
+    ref, extra = obj.get("ctx_tokens"), obj.get("ctx_step_ms")
+    if ref is None and extra is None:
+        return None, ()
+    if not isinstance(ref, (int, float)) or isinstance(ref, bool) or not math.isfinite(ref) or ref < 0:
+        raise bad(f"ctx_tokens (the mean context per request step_ms was measured at) must be a number >= 0, "
+                  f"got {ref!r}")
+    if not isinstance(extra, list) or not extra:
+        raise bad("ctx_step_ms must be a non-empty list of {ctx_tokens, step_ms} (curves at other contexts)")
+    seen = {float(ref)}
+    out = []
+    for i, e in enumerate(extra):
+        where = f"ctx_step_ms[{i}]"
+        if not isinstance(e, Mapping) or set(e) - {"ctx_tokens", "step_ms"}:
+            raise bad(f"{where} must be an object with ctx_tokens and step_ms only")
+        c = e.get("ctx_tokens")
+        if not isinstance(c, (int, float)) or isinstance(c, bool) or not math.isfinite(c) or c < 0:
+            raise bad(f"{where}.ctx_tokens must be a number >= 0, got {c!r}")
+        if float(c) in seen:
+            raise bad(f"{where}.ctx_tokens {c} repeats a context already measured")
+        seen.add(float(c))
+        sm = e.get("step_ms")
+        if not isinstance(sm, Mapping) or set(sm) != set(names):
+            raise bad(f"{where}.step_ms must name every config ({', '.join(names)}), got "
+                      f"{sorted(sm) if isinstance(sm, Mapping) else sm!r}")
+        out.append((float(c), tuple(curve(f"{where}.step_ms.{n}", sm[n]) for n in names)))
+    return float(ref), tuple(out)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -158,6 +240,7 @@ class RequestClass:
     name: str
     accept: Mapping[str, tuple[float, ...]]  # config name -> per-position conditional acceptance
     output_tokens: tuple[int, int]  # uniform integer range, inclusive
+    ctx_tokens: Optional[tuple[int, int]] = None  # prompt tokens, uniform integer range (optional)
 
 
 @dataclass(frozen=True)
@@ -184,6 +267,11 @@ class Workload:
     @property
     def class_names(self) -> tuple[str, ...]:
         return tuple(c.name for c in self.classes)
+
+    @property
+    def has_ctx(self) -> bool:
+        """Whether any request class gives its prompt length (the batch's context is then known)."""
+        return any(c.ctx_tokens is not None for c in self.classes)
 
 
 def parse_workload(obj: Any, source: str = "<workload>") -> Workload:
@@ -219,7 +307,13 @@ def parse_workload(obj: Any, source: str = "<workload>") -> Workload:
         if (not isinstance(ot, list) or len(ot) != 2 or not all(isinstance(x, int) and not isinstance(x, bool) for x in ot)
                 or ot[0] < 1 or ot[1] < ot[0]):
             raise bad(f"{where}.output_tokens must be [min, max] integers with 1 <= min <= max, got {ot!r}")
-        classes.append(RequestClass(str(cname), accept, (int(ot[0]), int(ot[1]))))
+        ct = c.get("ctx_tokens")
+        if ct is not None and (not isinstance(ct, list) or len(ct) != 2
+                               or not all(isinstance(x, int) and not isinstance(x, bool) for x in ct)
+                               or ct[0] < 0 or ct[1] < ct[0]):
+            raise bad(f"{where}.ctx_tokens (prompt tokens) must be [min, max] integers with 0 <= min <= max, got {ct!r}")
+        classes.append(RequestClass(str(cname), accept, (int(ot[0]), int(ot[1])),
+                                    None if ct is None else (int(ct[0]), int(ct[1]))))
     names = {c.name for c in classes}
     phases_obj = obj.get("phases")
     if not isinstance(phases_obj, list) or not phases_obj:
@@ -344,7 +438,10 @@ class SimPolicy(Protocol):
     """What the simulator drives. `decide` picks the configuration for this step's batch; `observe`
     sees what the engine would report after it. A policy with `uses_truth = True` is handed the true
     expected tokens per request of every profile config for the batch, each request's capped by the
-    tokens it has left (the oracle): `decide_with_truth(batch_size, tau)`."""
+    tokens it has left (the oracle): `decide_with_truth(batch_size, tau)`, and `ctx_tokens=` the
+    batch's context where the profile has a context term. A policy with `uses_ctx = True` gets the
+    batch's context tokens as `decide(batch_size, ctx_tokens=...)` and `observe(..., ctx_tokens=...)`
+    where the workload or the profile has a context (the plugin's reading of it)."""
 
     name: str
 
@@ -438,9 +535,12 @@ class _Requests:
         self.free = list(range(self.BLOCK - 1, -1, -1))
         self.class_index = {c.name: i for i, c in enumerate(workload.classes)}
         self._mix_cache: dict[int, tuple[list[float], list[int]]] = {}
+        self._prompt_i = -1
+        self._prompt = np.empty(0)
 
-    def create(self, phase: Phase) -> tuple[int, int, int]:
-        """(class index, output tokens, slot)."""
+    def create(self, phase: Phase) -> tuple[int, int, int, int]:
+        """(class index, output tokens, slot, prompt tokens). Prompt lengths come from a stream of
+        their own (workloads without them draw exactly what they always drew)."""
         i = self.num_created
         self.num_created += 1
         if i >= len(self._attr):
@@ -466,7 +566,15 @@ class _Requests:
             self.free = list(range(len(self.U) - 1, old - 1, -1))
         slot = self.free.pop()
         self.U[slot] = self._block[i % self.BLOCK]
-        return ci, length, slot
+        prompt = 0
+        ct = self.workload.classes[ci].ctx_tokens
+        if ct is not None:
+            k = i // self.BLOCK
+            if k != self._prompt_i:
+                self._prompt = np.random.default_rng([self.seed, 5, k]).random(self.BLOCK)
+                self._prompt_i = k
+            prompt = ct[0] + min(int(self._prompt[i % self.BLOCK] * (ct[1] - ct[0] + 1)), ct[1] - ct[0])
+        return ci, length, slot, prompt
 
     def _mix(self, phase: Phase) -> tuple[list[float], list[int]]:
         cum, idx, acc = [], [], 0.0
@@ -494,6 +602,11 @@ def simulate(profile: Profile, workload: Workload, policy: SimPolicy, *,
     if seed is not None:
         workload = Workload(workload.name, seed, workload.classes, workload.phases, workload.max_running)
     wall0 = _time.perf_counter()
+    # the batch's context (prompt + tokens generated so far, every request): computed only where the
+    # profile's step times or the workload's requests know it, and handed only to policies that read it
+    use_ctx = profile.has_ctx or workload.has_ctx
+    ctx_policy = use_ctx and bool(getattr(policy, "uses_ctx", False))
+    ctx_truth = profile.has_ctx
     A = accept_matrix(profile, workload)
     tau = expected_tau(A)  # [class, config]
     max_steps = A.shape[2]
@@ -522,7 +635,9 @@ def simulate(profile: Profile, workload: Workload, policy: SimPolicy, *,
     r_slot = np.empty(0, dtype=np.int64)
     r_ptr = np.empty(0, dtype=np.int64)  # flat index into reqs.U of each request's next draw
     r_t0 = np.empty(0, dtype=float)
-    queue: deque[tuple[int, int, int]] = deque()  # waiting for a running slot (max_running)
+    r_prompt = np.empty(0, dtype=np.int64)  # prompt tokens (0 without a context in the workload)
+    ctx_tokens: Optional[int] = None
+    queue: deque[tuple[int, int, int, int]] = deque()  # waiting for a running slot (max_running)
     cls_count = np.zeros(n_cls, dtype=np.int64)
     comp_version = 0  # bumped when the batch's class composition changes
     truth_key: tuple[int, int] = (-1, -1)
@@ -557,7 +672,7 @@ def simulate(profile: Profile, workload: Workload, policy: SimPolicy, *,
     in_system = 0  # running + queued
     max_running = workload.max_running or (1 << 30)
     total_tokens = 0
-    new: list[tuple[int, int, int]] = []
+    new: list[tuple[int, int, int, int]] = []
 
     while now < total_s:
         while phase_j < last_phase and now >= ends[phase_j]:
@@ -594,6 +709,8 @@ def simulate(profile: Profile, workload: Workload, policy: SimPolicy, *,
                 r_slot = np.concatenate([r_slot, ns])
                 r_ptr = np.concatenate([r_ptr, ns * reqs.stride])
                 r_t0 = np.concatenate([r_t0, np.full(len(new), now)])
+                if use_ctx:
+                    r_prompt = np.concatenate([r_prompt, np.array([x[3] for x in new], dtype=np.int64)])
                 cls_count += np.bincount(nc, minlength=n_cls)
                 comp_version += 1
                 new.clear()
@@ -606,7 +723,14 @@ def simulate(profile: Profile, workload: Workload, policy: SimPolicy, *,
             now = max(nxt, now)
             continue
 
-        if uses_truth and r_rem.min() <= max_steps:
+        if use_ctx:
+            ctx_tokens = int(r_prompt.sum() + (r_len - r_rem).sum())
+        if uses_truth and ctx_truth:
+            # step times move with the context at every step: no caching by composition
+            m = np.minimum(cfg_steps_ar, (r_rem - 1)[:, None])
+            config = policy.decide_with_truth(bs, 1.0 + CP[r_cls[:, None], cfg_ar, m].mean(axis=0),  # type: ignore[attr-defined]
+                                              ctx_tokens=ctx_tokens)
+        elif uses_truth and r_rem.min() <= max_steps:
             # some request cannot use every draft position: its truth is capped by what it has left
             m = np.minimum(cfg_steps_ar, (r_rem - 1)[:, None])
             config = policy.decide_with_truth(bs, 1.0 + CP[r_cls[:, None], cfg_ar, m].mean(axis=0))  # type: ignore[attr-defined]
@@ -617,6 +741,8 @@ def simulate(profile: Profile, workload: Workload, policy: SimPolicy, *,
                 truth_key = (bs, comp_version)
                 truth_cfg = policy.decide_with_truth(bs, cls_count @ tau / bs)  # type: ignore[attr-defined]
             config = truth_cfg
+        elif ctx_policy:
+            config = policy.decide(bs, ctx_tokens=ctx_tokens)  # type: ignore[call-arg]
         else:
             config = policy.decide(bs)
         k = cfg_index.get(config)
@@ -634,7 +760,10 @@ def simulate(profile: Profile, workload: Workload, policy: SimPolicy, *,
             accepted = np.zeros(bs, dtype=np.int64)
             emitted = 1
             toks = bs
-        ms = float(table[k, bs]) if bs <= table_max else profile.step_ms(k, bs)
+        if ctx_truth:
+            ms = profile.step_ms_ctx(k, bs, ctx_tokens / bs)  # type: ignore[operator]
+        else:
+            ms = float(table[k, bs]) if bs <= table_max else profile.step_ms(k, bs)
         if sigma > 0:
             if nb_i >= len(noise_block):
                 noise_block = noise_rng.lognormal(-0.5 * sigma * sigma, sigma, 8192).tolist()
@@ -647,7 +776,10 @@ def simulate(profile: Profile, workload: Workload, policy: SimPolicy, *,
         tr_tok.append(toks)
         total_tokens += toks
         now += ms / 1000.0
-        policy.observe(bs, config, accepted, ms, now)
+        if ctx_policy:
+            policy.observe(bs, config, accepted, ms, now, ctx_tokens=ctx_tokens)  # type: ignore[call-arg]
+        else:
+            policy.observe(bs, config, accepted, ms, now)
         if on_step is not None:
             on_step(now, bs, k, toks)
         if clock is not None:
@@ -667,6 +799,8 @@ def simulate(profile: Profile, workload: Workload, policy: SimPolicy, *,
             keep = ~done
             r_cls, r_len, r_rem, r_slot, r_t0 = r_cls[keep], r_len[keep], r_rem[keep], r_slot[keep], r_t0[keep]
             r_ptr = r_ptr[keep]
+            if use_ctx:
+                r_prompt = r_prompt[keep]
             in_system -= nd
 
     trace_t = np.array(tr_t)

@@ -39,6 +39,8 @@ class TrainReport:
     warnings: list[str] = field(default_factory=list)
     bench: list[BenchChoice] = field(default_factory=list)
     crossover: Optional[int] = None
+    # the tables per context band: (min_ctx, max_ctx or None, rows); empty without a context axis
+    ctx_bands: list[tuple[int, Optional[int], tuple]] = field(default_factory=list)
     max_observed_batch: int = 0
     coverage: dict[str, list[list[float]]] = field(default_factory=dict)  # config -> [[b, steps]]
     measured: dict[Config, dict[int, list[float]]] = field(default_factory=dict, repr=False)
@@ -53,6 +55,9 @@ class TrainReport:
         return {
             "ok": self.ok, "samples": self.num_samples, "missing": list(self.missing),
             "warnings": list(self.warnings), "crossover": self.crossover,
+            "ctx_bands": [{"min_ctx": lo, "max_ctx": hi, "crossover": PolicyTable(rows=rows).spec_off_crossover(),
+                           "table": [[r.min_batch, r.max_batch, config_name(r.config)] for r in rows]}
+                          for lo, hi, rows in self.ctx_bands],
             "max_observed_batch": self.max_observed_batch,
             "files": [f.to_obj() for f in self.files],
             "bench": [{"concurrency": c.concurrency, "throughput": c.throughput,
@@ -88,14 +93,15 @@ class _Collector:
         return sorted(b for (k, b) in self.weight if k == c)
 
 
-def _service(max_batch: int, candidates: Optional[Sequence[Config]], clock: Callable[[], float]):
+def _service(max_batch: int, candidates: Optional[Sequence[Config]], clock: Callable[[], float],
+             ctx_axis: bool = True):
     import dataclasses
 
     from ..controller.service import ControllerService, ServiceSettings
 
     kw: dict[str, Any] = dict(
         mode="online", explore_period=0, challenge_period=0, max_batch=max_batch,
-        candidates=tuple(tuple(c) for c in candidates) if candidates else None,
+        candidates=tuple(tuple(c) for c in candidates) if candidates else None, ctx_axis=ctx_axis,
     )
     # offline, every logged step and request counts the same: no time decay of any memory
     for f in dataclasses.fields(ServiceSettings):
@@ -208,13 +214,15 @@ def _bench_override(choices: list[Config], options: list[cmpolicy.Option],
 def train(inputs: Sequence[str | Path], *, max_batch: int = 1024,
           candidates: Optional[Sequence[Config]] = None, min_steps: float = DEFAULT_MIN_STEPS,
           progress: Optional[Progress] = None, clock: Callable[[], float] = time.time,
-          ) -> tuple[Optional[wire.PolicyRecord], TrainReport]:
+          ctx_axis: bool = True) -> tuple[Optional[wire.PolicyRecord], TrainReport]:
     """Read every input, fit, derive. Returns (policy with source "file", report); the policy is
-    None when the evidence is too thin, and `report.missing` says what to measure."""
+    None when the evidence is too thin, and `report.missing` says what to measure. Where the inputs
+    carry ctx_tokens and step time depends on it, the policy has a table per context band, as the
+    daemon's (`ctx_axis` False: one table for any context)."""
     report = TrainReport()
     files, missing_files = expand_inputs(inputs)
     report.files.extend(missing_files)
-    svc = _service(max_batch, candidates, clock)
+    svc = _service(max_batch, candidates, clock, ctx_axis)
     col = _Collector(svc.model.observe)
     points: list[BenchPoint] = []
     for path in files:
@@ -252,6 +260,9 @@ def train(inputs: Sequence[str | Path], *, max_batch: int = 1024,
     if points:
         choices = _bench_override(choices, options, points, report)
     table = PolicyTable(rows=rows_from_choices(choices), source="file")
+    bands = svc.ctx_bands(options, table, z=0.0)  # chosen as the rows for any context are
+    table = PolicyTable(rows=table.rows, bands=bands, source="file")
+    report.ctx_bands = [(b.min_ctx, b.max_ctx, b.rows) for b in bands]
     report.crossover = table.spec_off_crossover()
     report.missing.extend(_coverage_problems(col, table, min_steps))
     if report.missing:
@@ -260,6 +271,9 @@ def train(inputs: Sequence[str | Path], *, max_batch: int = 1024,
     summary = dict(svc.policy.model)
     summary["evidence"] = "ok"
     summary["spec_off_crossover"] = report.crossover
+    summary.pop("ctx_bands", None)
+    if bands:
+        summary["ctx_bands"] = svc.band_summary
     summary["training"] = {
         "inputs": [f.path for f in report.files],
         "samples": report.num_samples,
@@ -295,10 +309,22 @@ def report_markdown(report: TrainReport, policy: Optional[wire.PolicyRecord]) ->
               f"{'never' if x is None else f'batch {x}'}.", "", "| batch | configuration |",
               "|---|---|"]
         for r in policy.table:
+            if r.ctx_band is not None:
+                continue
             rng = f"{r.min_batch}–{r.max_batch}" if r.max_batch is not None else f"{r.min_batch}+"
             L.append(f"| {rng} | {r.config.name} ({r.config.steps},{r.config.topk},"
                      f"{r.config.draft_tokens}) |")
         L.append("")
+        if report.ctx_bands:
+            L += ["## Context bands (mean context tokens per request; the table above serves batches of "
+                  "unknown context)", "", "| context | table | spec→off crossover |", "|---|---|---|"]
+            for lo, hi, rows in report.ctx_bands:
+                cells = ", ".join(f"{config_name(r.config)} {r.min_batch}{'+' if r.max_batch is None else f'–{r.max_batch}'}"
+                                  for r in rows)
+                cx = PolicyTable(rows=rows).spec_off_crossover()
+                L.append(f"| {lo}{'+' if hi is None else f'–{hi}'} | {cells} | "
+                         f"{'never' if cx is None else f'batch {cx}'} |")
+            L.append("")
         cfgs = policy.model.get("configs", {})
         if cfgs:
             L += ["## Fit", "", "| config | tokens/step | step-time points | batch range | fit error |",

@@ -5,6 +5,7 @@ import re
 import statistics as st
 
 R_RUN = re.compile(r"#running-req: (\d+)")
+R_TOK = re.compile(r"#(?:full )?token: (\d+)")  # KV tokens in use: the running requests' context
 R_ACC = re.compile(r"accept len: ([\d.]+)")
 R_TP = re.compile(r"gen throughput \(token/s\): ([\d.]+)")
 
@@ -64,6 +65,8 @@ def _parse_policy(pol):
         return {"kind": "off"}
     if pol in ("sglang-adaptive", "specctl"):
         return {"kind": pol}
+    if pol == "specctl-noctx":  # specctl with its daemon on --no-ctx-axis: one table for any context
+        return {"kind": "specctl", "ctx_axis": False}
     parts = pol.split(":")
     if parts[0] == "specctl" and len(parts) == 2:  # specctl choosing among off, its launch chain and a tree
         c = parse_config(parts[1])
@@ -177,10 +180,10 @@ def parse_decode_lines(text, n=None):
     for ln in text.splitlines():
         if "Decode batch" not in ln:
             continue
-        a, b, c = R_RUN.search(ln), R_ACC.search(ln), R_TP.search(ln)
+        a, b, c, t = R_RUN.search(ln), R_ACC.search(ln), R_TP.search(ln), R_TOK.search(ln)
         if not (a and c):
             continue
-        rows.append((int(a.group(1)), float(b.group(1)) if b else 1.0, float(c.group(1))))
+        rows.append((int(a.group(1)), float(b.group(1)) if b else 1.0, float(c.group(1)), int(t.group(1)) if t else None))
     rows = rows[1:]
     sel = [r for r in rows if (n is None or r[0] == n) and r[2] > 0]
     if len(sel) >= 4:
@@ -189,9 +192,13 @@ def parse_decode_lines(text, n=None):
     if not steps:
         return {"n_lines": 0, "all_lines": len(rows)}
     mean = st.mean(steps)
-    return {"n_lines": len(steps), "step_ms_med": round(st.median(steps), 4), "step_ms_mean": round(mean, 4),
-            "step_ms_cv": round(st.pstdev(steps) / mean, 4) if mean else None,
-            "accept_len": round(st.mean(r[1] for r in sel), 3), "gen_tok_s_med": round(st.median(r[2] for r in sel), 1)}
+    out = {"n_lines": len(steps), "step_ms_med": round(st.median(steps), 4), "step_ms_mean": round(mean, 4),
+           "step_ms_cv": round(st.pstdev(steps) / mean, 4) if mean else None,
+           "accept_len": round(st.mean(r[1] for r in sel), 3), "gen_tok_s_med": round(st.median(r[2] for r in sel), 1)}
+    ctx = [r[3] / r[0] for r in sel if r[3] is not None and r[0] > 0]
+    if ctx:  # mean context tokens per running request (#token / #running-req), the profile's context
+        out["ctx_per_req_med"] = round(st.median(ctx), 1)
+    return out
 
 
 def pct(xs, q):
@@ -277,6 +284,73 @@ def profile_from_runs(runs, name, source="log"):
         step_ms[k].sort()
     return {"schema": "specctl.profile/1", "name": name, "configs": cfgs, "step_ms": step_ms,
             "noise_cv": round(st.median(cvs), 4) if cvs else 0.05}
+
+
+def profile_with_ctx(rows, name, source=None):
+    """Simulator cost profile with a context term (specctl.profile/1, README "Cost profile") from wave rows
+    {policy, prompt_tokens, concurrency, step_ms, ctx_per_req} of off / static policies measured at two or more
+    prompt lengths (ctx_profile.py): the shortest prompt length's curves are `step_ms` at `ctx_tokens` (the
+    median mean context per request of its waves), every other length one `ctx_step_ms` entry. A config
+    missing at some (length, concurrency) is left out at that concurrency in every curve; lengths whose
+    configs share no concurrency are dropped."""
+    cfgs, by = {}, {}
+    for r in rows:
+        if not r.get("step_ms"):
+            continue
+        p = parse_policy(r["policy"])
+        if p["kind"] == "off":
+            key, c = "off", {"steps": 0, "topk": 1, "draft_tokens": 1}
+        elif p["kind"] == "static":
+            key, c = config_name(p["config"]), dict(zip(("steps", "topk", "draft_tokens"), p["config"]))
+        else:
+            continue
+        cfgs[key] = c
+        by.setdefault(r["prompt_tokens"], {}).setdefault(key, {})[r["concurrency"]] = r
+    lengths = sorted(L for L, d in by.items() if set(d) == set(cfgs))
+    if len(lengths) < 2:
+        raise ValueError(f"need every configuration ({', '.join(sorted(cfgs))}) at two or more prompt lengths; "
+                         f"have {sorted(by)} with {[sorted(by[L]) for L in sorted(by)]}")
+    levels = sorted(set.intersection(*[set(by[L][k]) for L in lengths for k in cfgs]))
+    if not levels:
+        raise ValueError("no concurrency measured for every configuration at every prompt length")
+
+    def curves(L):
+        return {k: [[c, by[L][k][c]["step_ms"]] for c in levels] for k in cfgs}
+
+    def ctx_of(L):
+        v = [by[L][k][c].get("ctx_per_req") for k in cfgs for c in levels if by[L][k][c].get("ctx_per_req")]
+        return round(st.median(v), 1) if v else float(L)
+
+    cvs = [r["step_ms_cv"] for r in rows if r.get("step_ms_cv") is not None]
+    prof = {"schema": "specctl.profile/1", "name": name, "configs": cfgs, "step_ms": curves(lengths[0]),
+            "ctx_tokens": ctx_of(lengths[0]),
+            "ctx_step_ms": [{"ctx_tokens": ctx_of(L), "step_ms": curves(L)} for L in lengths[1:]],
+            "noise_cv": round(st.median(cvs), 4) if cvs else 0.05}
+    if source is not None:
+        prof["source"] = source
+    return prof
+
+
+def table_flaps(table_rows):
+    """Speculating rows after the first plain-decode row of one table (0: speculate below one batch size, decode
+    plainly from it up). `table_rows`: [(min_batch, steps)] in batch order."""
+    seen_off, flaps = False, 0
+    for _, steps in table_rows:
+        if steps == 0:
+            seen_off = True
+        elif seen_off:
+            flaps += 1
+    return flaps
+
+
+def policy_flaps(policy):
+    """table_flaps of a policy JSON object: the rows for any context and each context band's."""
+    groups = {}
+    for r in policy["table"]:
+        band = None if r.get("min_ctx") is None and r.get("max_ctx") is None else (r.get("min_ctx") or 0, r.get("max_ctx"))
+        groups.setdefault(band, []).append((r["min_batch"], r["config"]["steps"]))
+    return {("any" if b is None else f"{b[0]}+" if b[1] is None else f"{b[0]}-{b[1]}"): table_flaps(rows)
+            for b, rows in groups.items()}
 
 
 def identity_report(outputs, ref_policy="off"):

@@ -9,6 +9,8 @@
 #        once (POLS0 on GPU 0, POLS1 on GPU 1), each packed to $OUT/g<N>.tgz + $OUT/bench-g<N>.json
 #   bash benchmarks/gpu/device_call.sh checks C0 C1   2 GPUs: specctl_e2e.py subcommands (identity, online,
 #        overhead; comma lists, "-" = none) on GPU 0 and GPU 1 at once -> $OUT/checks-g<N>.tgz + the JSONs
+#   bash benchmarks/gpu/device_call.sh ctxprofile [ctx_profile.py measure args]   decode steps of off / s1 / s3 at
+#        two or more prompt lengths -> $OUT/ctx-steps.json, $OUT/profile-ctx.json, $OUT/ctx-logs.tgz
 set -uo pipefail
 export PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/out} TOKENIZERS_PARALLELISM=false
 S=/tmp/specctl-stash; M=/tmp/m; mkdir -p $OUT $M
@@ -57,6 +59,12 @@ case $step in
       cp $OUT/g$g/bench-*.json $OUT/bench-g$g.json 2>/dev/null; mv $OUT/g$g.log $OUT/g$g/run.log
       tar czf $OUT/g$g.tgz -C $OUT g$g && rm -rf $OUT/g$g
     done ;;
+  ctxprofile)
+    need_site; draft_tok; mkdir -p $OUT/ctx
+    PYTHONPATH=/tmp/site timeout ${BENCH_TIMEOUT:-560} python3 benchmarks/gpu/ctx_profile.py measure --draft $M/draft --out $OUT/ctx "$@" 2>&1 \
+      | tee $OUT/ctx.log | grep -v "Decode batch" | tail -40
+    cp $OUT/ctx/ctx-steps.json $OUT/ctx/profile-ctx.json $OUT/ 2>/dev/null
+    tar czf $OUT/ctx-logs.tgz -C $OUT ctx ctx.log && rm -rf $OUT/ctx $OUT/ctx.log ;;
   checks)  # checks C0 C1: comma lists of specctl_e2e.py subcommands run in turn on GPU 0 / GPU 1 ("-": none)
     need_site; draft_tok
     for g in 0 1; do

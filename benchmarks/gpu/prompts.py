@@ -183,16 +183,62 @@ def chat_ids(tok, text):
     return list(e)
 
 
-def load_benchmark_sets(tokenizer_dir, prompts_dir):
-    """MT-Bench turn 1 and HumanEval from PROMPTS_DIR, each item with its chat-template token ids ("ids") under
-    the tokenizer of TOKENIZER_DIR (transformers, imported here: the rest of this module is stdlib)."""
-    import os
+class SimpleTokenizer:
+    """A stand-in tokenizer for the CPU tests of the runners (no transformers there): one id per word or
+    punctuation mark, inside a fixed 3-token chat wrapper."""
 
+    def apply_chat_template(self, messages, add_generation_prompt=True, tokenize=True):
+        import re
+        import zlib
+
+        words = re.findall(r"\w+|[^\w\s]", messages[-1]["content"])
+        return [1, 2] + [zlib.crc32(w.encode()) % 30000 + 10 for w in words] + [3]
+
+
+def tokenizer_for(tokenizer_dir):
+    """transformers' AutoTokenizer of TOKENIZER_DIR ("simple": SimpleTokenizer, for CPU tests)."""
+    if tokenizer_dir == "simple":
+        return SimpleTokenizer()
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    return AutoTokenizer.from_pretrained(tokenizer_dir)
+
+
+def load_benchmark_sets(tokenizer_dir, prompts_dir, tok=None):
+    """MT-Bench turn 1 and HumanEval from PROMPTS_DIR, each item with its chat-template token ids ("ids") under
+    the tokenizer of TOKENIZER_DIR (transformers, imported here: the rest of this module is stdlib); `tok`: a
+    tokenizer already made (tokenizer_for)."""
+    import os
+
+    tok = tok or tokenizer_for(tokenizer_dir)
     mtb = load_mtbench(os.path.join(prompts_dir, "mtbench_question.jsonl"))
     he = load_humaneval(os.path.join(prompts_dir, "HumanEval.jsonl.gz"))
     for x in mtb + he:
         x["ids"] = chat_ids(tok, x["text"])
     return mtb, he
+
+
+LONG_FMT = "Read the following material. Then answer the request after it.\n\n{doc}\n\nRequest: {text}"
+
+
+def long_prompts(tok, items, n_tokens, filler_items, *, tol=0.02):
+    """`items` asked after a document of other prompts' text (a retrieval-augmented prompt), each of about
+    n_tokens chat-template tokens (within `tol`; the document's length found by a few tokenizations), the
+    document rotated per item so that no two share a prefix. Items get "ids", "n_tokens" and id "<id>-L<n>"."""
+    doc = "\n\n".join(x["text"] for x in filler_items)
+    while len(doc) < 8 * n_tokens:  # enough characters at any tokenizer's ratio
+        doc = doc + "\n\n" + doc
+    out = []
+    for i, x in enumerate(items):
+        start = (i * 9973) % max(1, len(doc) // 2)
+        base = len(chat_ids(tok, LONG_FMT.format(doc="", text=x["text"])))
+        if base >= n_tokens:
+            raise ValueError(f"{x.get('id')}: the request alone has {base} tokens, more than {n_tokens}")
+        chars = 4 * (n_tokens - base)
+        for _ in range(8):
+            ids = chat_ids(tok, LONG_FMT.format(doc=doc[start:start + chars], text=x["text"]))
+            if abs(len(ids) - n_tokens) <= tol * n_tokens:
+                break
+            chars = max(1, int(chars * (n_tokens - base) / max(1, len(ids) - base)))
+        out.append(dict(x, id=f"{x.get('id')}-L{n_tokens}", ids=ids, n_tokens=len(ids)))
+    return out

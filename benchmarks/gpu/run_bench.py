@@ -17,6 +17,13 @@ Step time per decode batch comes from SGLang's `Decode batch` log lines: 1000 * 
 accept_len / gen_throughput (ms); the static policies' medians at each swept batch size give the cost
 profile in the simulator format (specctl.profile/1).
 
+With --phase-set alternating the phases are ALT_PHASES: the prompts alternate between the short benchmark ones
+(~100-300 tokens) and retrieval-augmented ones of --long-prompt-tokens (a generated document, then the request;
+prompts.long_prompts), at concurrencies between the two spec->off crossovers; compare `specctl` with
+`specctl-noctx` (the same plugin, its daemon on --no-ctx-axis: one table for any context) with --interleave
+--phase-repeats N: the servers take turns, and OUT/bench-<variant>.json gets `phase_pairs` (specctl ÷
+specctl-noctx, run by run) and, per plugin policy, `table_flaps` of its last policy.
+
 Policies: off | static:sN | threshold:T:sN (SGLang adaptive with slots {"1": [N], "T": [0]}: N steps below
 batch size T, steps 0 from T up; SGLang pads a batch to a CUDA-graph size before the slot lookup; with
 speculation 0.5.17 captures every size 1..8, then 10..32 by 2, 40..64 by 4, 72..256 by 8, so T <= 8 is
@@ -57,6 +64,14 @@ PHASES = [  # duration_s, concurrency, mix
     {"duration_s": 20, "concurrency": 8, "mix": {"chat": 1.0}},
     {"duration_s": 20, "concurrency": 128, "mix": {"chat": 0.5, "code": 0.5}},
     {"duration_s": 20, "concurrency": 1, "mix": {"chat": 1.0}},
+]
+# the prompts alternate between short and long contexts; the concurrencies lie between the two crossovers (the
+# H200 testbed's table flapped between s3 and off from batch 14 to 76 on such traffic)
+ALT_PHASES = [
+    {"duration_s": 15, "concurrency": 32, "mix": {"short": 1.0}},
+    {"duration_s": 15, "concurrency": 32, "mix": {"long": 1.0}},
+    {"duration_s": 15, "concurrency": 48, "mix": {"short": 1.0}},
+    {"duration_s": 15, "concurrency": 48, "mix": {"long": 1.0}},
 ]
 T0 = time.time()
 
@@ -275,6 +290,11 @@ def finish_plugin_run(sv, srv, out):
         aud = SC.audit_decisions(dec, {v: x["policy"] for v, x in d.policies.items()}, fallback=fb)
         aud["sglang_switch_lines"] = SC.count_switch_lines(open(sv["log"]).read())
         aud["policy_versions_seen"] = len(d.policies)
+        if d.policies:  # speculating rows after the first plain-decode row, per table of the last policy
+            from benchlib import policy_flaps
+            last = d.policies[max(d.policies)]["policy"]
+            aud["table_flaps"] = policy_flaps(last)
+            aud["ctx_bands"] = sum(1 for k in aud["table_flaps"] if k != "any")
         srv["specctl"] = aud
         log(f"{sv['policy']}: {aud['checked']}/{aud['decisions']} decisions audited, match {aud['match_frac']}, "
             f"{aud['step_changes']} step changes vs {aud['sglang_switch_lines']} SGLang switch lines, "
@@ -312,6 +332,10 @@ def main():
     ap.add_argument("--accept-eval", action="store_true", help="all MT-Bench turn-1 / HumanEval prompts at c=16, per spec policy")
     ap.add_argument("--accept-tokens", type=int, default=320)
     ap.add_argument("--phase-scale", type=float, default=1.0, help="multiply phase durations")
+    ap.add_argument("--phase-set", choices=("default", "alternating"), default="default",
+                    help="alternating: ALT_PHASES, short and --long-prompt-tokens prompts taking turns")
+    ap.add_argument("--long-prompt-tokens", type=int, default=6000, help="the long prompts of --phase-set alternating")
+    ap.add_argument("--tokenizer", default=None, help="tokenizer dir (default: --model); 'simple' for CPU tests")
     ap.add_argument("--out", required=True)
     ap.add_argument("--results", default=None, help="also write the results JSON here")
     ap.add_argument("--parallel", type=int, default=3)
@@ -330,12 +354,16 @@ def main():
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
     deadline = T0 + a.deadline_s
-    mtb, he = P.load_benchmark_sets(a.model, a.prompts)
+    tok = P.tokenizer_for(a.tokenizer or a.model)
+    mtb, he = P.load_benchmark_sets(a.model, a.prompts, tok=tok)
     mixed = [x for pair in zip(mtb, he) for x in pair] + he[len(mtb):]
     pools = {"chat": mtb, "code": he}
+    phase_set = ALT_PHASES if a.phase_set == "alternating" else PHASES
+    if a.phase_set == "alternating":
+        pools = {"short": mixed, "long": P.long_prompts(tok, mixed, a.long_prompt_tokens, P.gen_train_prompts(2000, seed=5))}
     levels = [int(x) for x in a.levels.split(",") if x]
     policies = [p for p in a.policies.split(",") if p]
-    maxc = max(levels + [max(ph["concurrency"] for ph in PHASES) if a.phase else 1])
+    maxc = max(levels + [max(ph["concurrency"] for ph in phase_set) if a.phase else 1])
     memf = a.mem_fraction or round(0.8 / max(1, min(a.parallel, len(policies))), 3)
     common = server_args(maxc, memf, max_total_tokens=a.max_total_tokens, prefill_graph=a.prefill_graph)
     plugin_pols = [p for p in policies if parse_policy(p)["kind"] in ("specctl", "plugin-fixed")]
@@ -368,6 +396,8 @@ def main():
             pp = parse_policy(pol)
             kind, configs = pp["kind"], daemon_configs(pp)
             extra = () if kind == "specctl" else ("--mode", "fixed")
+            if pp.get("ctx_axis") is False:
+                extra += ("--no-ctx-axis",)
             if configs:  # a tree: the daemon's fallback is the plugin's (the tree below the threshold)
                 extra += ("--config", ",".join(map(str, pp["config"])), "--threshold", str(pp.get("threshold", 5)))
             side = SC.Daemon(rundir=rundir, state_dir=f"/tmp/specctl-state-{port}", site=site,
@@ -392,6 +422,9 @@ def main():
                 if time.time() > deadline - 60:
                     break
                 asyncio.run(closed_loop(sv["port"], mixed[len(mixed) // 2:], c, max(2 * c, 8), a.new_tokens))
+                if "long" in pools:  # the alternating workload: the daemon sees the long contexts too
+                    asyncio.run(closed_loop(sv["port"], pools["long"][len(pools["long"]) // 2:], c, max(2 * c, 8),
+                                            a.new_tokens))
             srv["learn_s"] = round(time.time() - t_learn, 1)
             log(f"specctl learned for {srv['learn_s']} s; policy:", json.dumps(sv["side"].status()["policy"]["table"])[:600])
         outs, _ = asyncio.run(closed_loop(sv["port"], mixed[:16], a.identity_c, 16, a.identity_tokens, stream=False))
@@ -440,7 +473,7 @@ def main():
 
     def phase(sv):
         pol = sv["policy"]
-        phases = [dict(p, duration_s=p["duration_s"] * a.phase_scale) for p in PHASES]
+        phases = [dict(p, duration_s=p["duration_s"] * a.phase_scale) for p in phase_set]
         if not a.phase or time.time() > deadline - 20 - sum(p["duration_s"] for p in phases):
             return
         off = os.path.getsize(sv["log"])
@@ -450,7 +483,7 @@ def main():
             lines = f.read()
         sw = re.findall(r"Adaptive spec params updated: steps (\d+) -> (\d+)", lines)
         row = {"policy": pol, **summarize_requests(outs, wall), "adaptive_switches": len(sw), "phases": phases,
-               "t_start": round(time.time() - wall - T0, 1)}
+               "phase_set": a.phase_set, "t_start": round(time.time() - wall - T0, 1)}
         result["phase_runs"].append(row)
         log(f"{pol} phase: {row['output_tokens_per_s']} tok/s, tpot med {row['median_tpot_ms']} ms, switches {len(sw)}")
 
@@ -471,6 +504,8 @@ def main():
         for x in group:
             x["ok"] = wait_ready(x, 400, deadline)
             result["servers"][x["policy"]] = {"cmd": x["cmd"], "ready": x["ok"], "ready_s": round(time.time() - x["t"], 1)}
+            if x.get("side") is not None:
+                result["servers"][x["policy"]]["daemon_args"] = list(x["side"].extra)
         live = []
         for sv in group:
             if not sv["ok"]:
@@ -523,6 +558,13 @@ def main():
         finally:
             for sv in live:
                 retire(sv)
+    from benchlib import paired_ratios
+    by_pol = {}
+    for x in result["phase_runs"]:
+        by_pol.setdefault(x["policy"], []).append(x["output_tokens_per_s"])
+    if "specctl" in by_pol and "specctl-noctx" in by_pol:  # run k of one with run k of the other (they took turns)
+        result["phase_pairs"] = {"specctl / specctl-noctx": paired_ratios(by_pol["specctl"], by_pol["specctl-noctx"])}
+        log("phase runs, specctl ÷ specctl-noctx:", result["phase_pairs"])
     outputs = result["identity"]
     result["identity"] = identity_report(outputs)
     trees = sorted({p for p in outputs if p.startswith("static:") and parse_policy(p)["config"][1] > 1})

@@ -339,7 +339,7 @@ def cmd_identity(a):
             dl = os.path.join(a.out, f"decisions-{v}-rank0.txt")
             if os.path.exists(dl):
                 hist = {}
-                for _, _, st_, _ in SC.read_decisions(dl):
+                for _, _, st_, *_ in SC.read_decisions(dl):
                     hist[st_] = hist.get(st_, 0) + 1
                 r["specctl_steps_used"] = dict(sorted(hist.items()))
             r["sglang_switch_lines"] = SC.count_switch_lines(open(servers[(v, "specctl")]["log"], errors="replace").read())

@@ -228,8 +228,9 @@ class Override:
 
 # ---------------------------------------------------------------- audit (pure; tested on CPU)
 
-def read_decisions(path: str) -> list[tuple[int, int, int, Optional[int]]]:
-    """SPECCTL_DECISION_LOG lines `step batch_size steps version|F` -> tuples (comments skipped)."""
+def read_decisions(path: str) -> list[tuple[int, int, int, Optional[int], Optional[int]]]:
+    """SPECCTL_DECISION_LOG lines `step batch_size steps version|F [ctx_tokens]` -> tuples (step, batch
+    size, steps, version or None, ctx_tokens or None), comments skipped."""
     out: list = []
     if not os.path.exists(path):
         return out  # the audit then reports 0 decisions: the plugin never decided (or never logged)
@@ -238,9 +239,10 @@ def read_decisions(path: str) -> list[tuple[int, int, int, Optional[int]]]:
             if not ln.strip() or ln.startswith("#"):
                 continue
             p = ln.split()
-            if len(p) != 4:
+            if not ln.endswith("\n") or len(p) not in (4, 5) or (len(p) == 5 and not p[4].isdigit()):
                 continue  # a line cut by a kill
-            out.append((int(p[0]), int(p[1]), int(p[2]), None if p[3] == "F" else int(p[3])))
+            out.append((int(p[0]), int(p[1]), int(p[2]), None if p[3] == "F" else int(p[3]),
+                        int(p[4]) if len(p) == 5 else None))
     return out
 
 
@@ -258,7 +260,7 @@ def audit_decisions(decisions: list, policies: dict[int, dict], fallback: Option
     per_version: dict = {}
     changes = 0
     prev_steps = None
-    for step, bs, steps, v in decisions:
+    for step, bs, steps, v, *ctx in decisions:
         n += 1
         if prev_steps is not None and steps != prev_steps:
             changes += 1
@@ -271,7 +273,7 @@ def audit_decisions(decisions: list, policies: dict[int, dict], fallback: Option
         if t is None:
             unknown += 1
             continue
-        want = t.decide(bs, step)[0]
+        want = t.decide(bs, step, ctx[0] if ctx else None)[0]  # a band by the batch context, where logged
         if want == steps:
             match += 1
             pv["match"] += 1

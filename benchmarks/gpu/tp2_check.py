@@ -137,9 +137,9 @@ def parse_decisions(path: str) -> dict:
         if ln.startswith("#"):
             res["headers"].append(ln)
         elif ln.strip():
-            f4 = ln.split()
-            if len(f4) == 4 and f4[0].isdigit() and f4[1].isdigit() and f4[2].isdigit() \
-                    and (f4[3] == "F" or f4[3].isdigit()):
+            f4 = ln.split()  # a fifth field: the batch's ctx_tokens, where the plugin read it
+            if len(f4) in (4, 5) and f4[0].isdigit() and f4[1].isdigit() and f4[2].isdigit() \
+                    and (f4[3] == "F" or f4[3].isdigit()) and (len(f4) == 4 or f4[4].isdigit()):
                 res["lines"].append(ln.strip())
             else:
                 res["malformed"].append(ln[:200])

@@ -16,12 +16,13 @@ def test_serve_passes_the_model_settings(tmp_path, monkeypatch):
     res = CliRunner().invoke(cli.main, ["serve", "--state-dir", str(tmp_path / "state"), "--accept-change-z", "0",
                                         "--explore-decided-z", "2.5", "--accept-half-life", "4",
                                         "--switch-z", "3", "--max-margin", "0.08", "--refresh-s", "45",
-                                        "--challenge-period", "32"],
+                                        "--challenge-period", "32", "--no-ctx-axis"],
                              env={"SPECCTL_RUNDIR": str(run)})
     assert res.exit_code == 0, res.output
     s = got["settings"]
     assert (s.accept_change_z, s.explore_decided_z, s.accept_half_life_s) == (0.0, 2.5, 4.0)
     assert (s.switch_z, s.max_margin, s.refresh_s, s.challenge_period) == (3.0, 0.08, 45.0, 32)
+    assert s.ctx_axis is False
     res = CliRunner().invoke(cli.main, ["serve", "--accept-change-z", "-1"], env={"SPECCTL_RUNDIR": str(run)})
     assert res.exit_code != 0 and "accept-change-z" in res.output
     res = CliRunner().invoke(cli.main, ["serve", "--refresh-s", "-5"], env={"SPECCTL_RUNDIR": str(run)})

@@ -156,3 +156,38 @@ def test_policy_show_reports_bad_files_clearly(tmp_path):
     bad.write_text('{"kind": "policy", "schema": 1, "version": 1')
     out = subprocess.run(CLI + ["policy", "show", "--file", str(bad)], capture_output=True, text=True, timeout=30)
     assert out.returncode == 1 and "not a valid policy" in out.stderr and "Traceback" not in out.stderr
+
+
+@pytest.mark.parametrize("axis", ["--ctx-axis", "--no-ctx-axis"])
+def test_serve_learns_context_bands_from_replayed_telemetry(serve, zctx, endpoints, tmp_path, axis):
+    from specctl.training.synth import truth_with_ctx_crossovers
+
+    n = 20000
+    path = tmp_path / "ctx.jsonl"
+    with open(path, "w") as f:
+        for r in generate(truth_with_ctx_crossovers((300, 76), (6000, 14)), num_steps=n,
+                          batch_sizes=list(range(1, 129)), seed=5, t0=time.time() - 3600, ctx_per_request=[300, 6000]):
+            f.write(json.dumps(r) + "\n")
+    p = serve("--refit-interval", "0.5", "--heartbeat", "0.5", axis)
+    out = subprocess.run(CLI + ["replay", str(path), "--to", endpoints["telemetry"]], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert _wait(lambda: p.status(zctx)["records_in"] == n, 60)
+    rx = transport.PolicyReceiver(zctx, endpoints["publish"])
+
+    def banded():
+        f = rx.poll()
+        return f is not None and any(r.ctx_band is not None for r in wire.decode_policy(f).table)
+
+    if axis == "--ctx-axis":
+        assert _wait(banded, 10)  # the published policy, as an engine's subscription receives it
+        pol = wire.policy_from_obj(p.status(zctx)["policy"])
+        t = PolicyTable.from_policy_obj(wire.to_obj(pol))
+        assert t.lookup(40, 40 * 300) == (3, 1, 4) and t.lookup(40, 40 * 6000) == (0, 1, 1)
+        text = subprocess.run(CLI + ["policy", "show", "--endpoint", endpoints["status"]], capture_output=True,
+                              text=True, timeout=30).stdout
+        assert "context 4096+" in text, text
+    else:
+        time.sleep(1.5)
+        assert not banded()
+        assert all(r["min_ctx"] is None for r in p.status(zctx)["policy"]["table"] if "min_ctx" in r)

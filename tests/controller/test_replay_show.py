@@ -82,6 +82,27 @@ def test_render_and_plot(tmp_path):
     assert "exploring 1 step in 64: s1@8-15" in text and "challenging 1 step in 16: s1@8-15" in text
 
 
+def test_render_and_plot_a_policy_with_context_bands(tmp_path):
+    s3, off = {"steps": 3, "topk": 1, "draft_tokens": 4}, {"steps": 0, "topk": 1, "draft_tokens": 1}
+    table = [{"min_batch": 1, "max_batch": 20, "config": s3}, {"min_batch": 21, "config": off},
+             {"min_batch": 1, "max_batch": 70, "config": s3, "min_ctx": 0, "max_ctx": 1023},
+             {"min_batch": 71, "config": off, "min_ctx": 0, "max_ctx": 1023},
+             {"min_batch": 1, "max_batch": 13, "config": s3, "min_ctx": 1024},
+             {"min_batch": 14, "config": off, "min_ctx": 1024}]
+    model = {"predicted_goodput_tok_s": {"off": [[1, 150.0], [64, 8000.0]], "s3": [[1, 300.0], [64, 9000.0]]}}
+    pol = wire.policy_from_obj({"kind": "policy", "schema": 1, "version": 3, "created_at": 2e9, "source": "online",
+                                "table": table, "model": model})
+    text = show.render(pol, now=2e9 + 5)
+    lines = text.splitlines()
+    assert any(ln.strip().startswith("1-20  s3") for ln in lines) and any(ln.strip().startswith("21+  off") for ln in lines)
+    assert "context 0-1023  s3 1-70, off 71+  (spec->off at batch 71)" in text
+    assert "context 1024+  s3 1-13, off 14+  (spec->off at batch 14)" in text
+    assert sum("s3" in ln for ln in lines) == 4  # the header, the s3 row for any context, one line per band
+    png = tmp_path / "bands.png"
+    show.plot(pol, str(png))
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 def test_serve_records_accepted_telemetry(serve, zctx, endpoints, tmp_path):
     rec_dir = tmp_path / "rec"
     p = serve("--record", str(rec_dir), "--refit-interval", "0.5")

@@ -8,7 +8,7 @@ from specctl.controller.service import REFRESH_VALUES, ControllerService, Servic
 from specctl.controller.state import StateStore
 from specctl.policies.table import PolicyTable
 from specctl.training.costmodel import FRESH_WARM
-from specctl.training.synth import generate, truth_with_crossover
+from specctl.training.synth import generate, truth_with_crossover, truth_with_ctx_crossovers
 
 
 class Clock:
@@ -555,3 +555,65 @@ def test_a_configuration_held_back_by_the_tolerance_is_challenged(cv, seed, acce
     rows = [(r.min_batch, r.max_batch, r.config.key) for r in (svc.policy.challenge or [])]
     assert rows == ([(4, 7, s1)] if challenged else [])
     assert svc.policy.challenge_period == (16 if challenged else None)
+
+
+# ------------------------------------------------------------------------- context bands
+
+CTX_TRUTH = truth_with_ctx_crossovers((300, 76), (6000, 14))
+
+
+def _ctx_service(seed=3, n=30000, drop_ctx=False, truth=CTX_TRUTH, **kw):
+    clock = Clock()
+    svc = ControllerService(ServiceSettings(**kw), clock=clock)
+    for r in generate(truth, num_steps=n, batch_sizes=list(range(1, 129)), seed=seed, t0=clock.t,
+                      ctx_per_request=[300, 6000]):
+        clock.t = r["ts"]
+        if drop_ctx:
+            r.pop("ctx_tokens")
+        assert svc.observe_frame(json.dumps(r).encode())
+    clock.t += 1.0
+    svc.refit()
+    return svc, clock
+
+
+def test_alternating_contexts_give_a_table_per_context_band():
+    svc, _ = _ctx_service()
+    t = table(svc)
+    assert len(t.bands) >= 2 and t.bands[0].min_ctx == 0 and t.bands[-1].max_ctx is None
+    # every band is a plain two-row table: speculate below its crossover, plain decode from it up
+    for band in t.bands:
+        assert [r.config[0] for r in band.rows] == [3, 0], band
+    short = PolicyTable(rows=t.rows_for(300)).spec_off_crossover()
+    long = PolicyTable(rows=t.rows_for(6000)).spec_off_crossover()
+    assert abs(short - CTX_TRUTH.crossover(mean_ctx=300)) <= 0.1 * 76, short
+    assert abs(long - CTX_TRUTH.crossover(mean_ctx=6000)) <= 2, long
+    # crossovers fall as the context grows
+    xs = [PolicyTable(rows=b.rows).spec_off_crossover() for b in t.bands]
+    assert xs == sorted(xs, reverse=True)
+    # the engine looks its batch up by mean context
+    assert t.lookup(40, 40 * 300) == (3, 1, 4) and t.lookup(40, 40 * 6000) == (0, 1, 1)
+    assert [b["min_ctx"] for b in svc.policy.model["ctx_bands"]] == [b.min_ctx for b in t.bands]
+    # more of the same traffic leaves the bands as they are
+    v = svc.policy.version
+    bands = t.bands
+    for r in generate(CTX_TRUTH, num_steps=4000, batch_sizes=list(range(1, 129)), seed=4,
+                      t0=svc.clock.t, ctx_per_request=[300, 6000]):
+        svc.clock.t = r["ts"]
+        svc.observe_frame(json.dumps(r).encode())
+    svc.clock.t += 1.0
+    svc.refit()
+    assert table(svc).bands == bands and (svc.policy.version == v or table(svc).rows != t.rows)
+
+
+def test_without_ctx_tokens_or_with_the_context_axis_off_there_is_one_table_as_before():
+    plain, _ = _ctx_service(drop_ctx=True)
+    off, _ = _ctx_service(ctx_axis=False)
+    assert table(plain).bands == () and table(off).bands == ()
+    assert table(plain).rows == table(off).rows  # the rows for any context do not use ctx_tokens
+    assert "ctx_bands" not in plain.policy.model and "ctx_bands" not in off.policy.model
+    assert all(r.ctx_band is None for r in plain.policy.table)
+
+
+def test_a_context_that_does_not_change_step_times_gives_no_bands():
+    svc, _ = _ctx_service(truth=truth_with_crossover(30), n=12000)
+    assert svc.model.has_ctx() and table(svc).bands == ()

@@ -139,3 +139,62 @@ def test_telemetry_decoder_requires_a_step_kind():
     with pytest.raises(wire.WireError) as ei:
         wire.decode_step(json.dumps(POLICY).encode())
     assert ei.value.reason == "wrong_kind"
+
+
+# ------------------------------------------------------------------------- context bands
+
+S3_OBJ, OFF_OBJ = {"steps": 3, "topk": 1, "draft_tokens": 4}, {"steps": 0, "topk": 1, "draft_tokens": 1}
+
+
+def _band(lo, hi, cut):
+    rows = [{"min_batch": 1, "max_batch": cut, "config": S3_OBJ}, {"min_batch": cut + 1, "config": OFF_OBJ}]
+    for r in rows:
+        if lo is not None:
+            r["min_ctx"] = lo
+        if hi is not None:
+            r["max_ctx"] = hi
+    return rows
+
+
+def test_a_banded_policy_round_trips_and_the_engine_table_reads_it():
+    table = POLICY["table"] + _band(0, 1023, 60) + _band(1024, None, 12)
+    pol = wire.decode(_with(POLICY, table=table))
+    assert [r.ctx_band for r in pol.table] == [None, None, (0, 1023), (0, 1023), (1024, None), (1024, None)]
+    assert wire.decode(wire.encode(pol)) == pol
+    from specctl.policies.table import PolicyTable
+    t = PolicyTable.from_policy_obj(wire.to_obj(pol))
+    assert (t.lookup(30), t.lookup(30, 30 * 500), t.lookup(30, 30 * 5000)) == ((0, 1, 1), (3, 1, 4), (0, 1, 1))
+    assert t.to_rows_obj() == [dict(r, max_batch=r.get("max_batch")) for r in table]
+
+
+@pytest.mark.parametrize("table, needle", [
+    (_band(0, None, 5), "rows naming no context"),                                  # bands only
+    (POLICY["table"] + [_band(0, 99, 5)[0]], "open-ended (max_batch null) (context band 0-99)"),
+    (POLICY["table"] + _band(0, 99, 5)[:1] + [dict(_band(0, 99, 5)[1], min_batch=7)], "expected 6 (no gaps, no overlap) (context band 0-99)"),
+    (POLICY["table"] + _band(100, None, 5) + _band(0, 99, 5), "precedes"),
+    (POLICY["table"] + _band(0, 100, 5) + _band(100, None, 5), "overlaps"),
+    (_band(0, 99, 5)[:1] + POLICY["table"] + _band(0, 99, 5)[1:], "not consecutive"),
+    (POLICY["table"][:1] + _band(0, 99, 5) + POLICY["table"][1:], "naming no context are not consecutive"),
+    ([dict(POLICY["table"][0], min_ctx=50, max_ctx=10)] + POLICY["table"][1:], "max_ctx 10 < min_ctx 50"),
+    ([dict(POLICY["table"][0], min_ctx=-1)] + POLICY["table"][1:], "min_ctx"),
+])
+def test_bad_bands_are_refused_with_the_reason(table, needle):
+    with pytest.raises(wire.WireError) as ei:
+        wire.decode(_with(POLICY, table=table))
+    assert ei.value.reason == "bad_value" and needle in str(ei.value), str(ei.value)
+
+
+def test_exploring_rows_may_name_a_context_band():
+    row = dict(POLICY["table"][0], min_ctx=4096)
+    pol = wire.decode(_with(POLICY, explore=[row], explore_period=64))
+    assert pol.explore[0].ctx_band == (4096, None) and wire.decode(wire.encode(pol)) == pol
+    from specctl.policies.table import PolicyTable
+    t = PolicyTable.from_policy_obj(wire.to_obj(pol))
+    assert t.explore[0].min_ctx == 4096 and t.to_rows_obj() == PolicyTable(rows=t.rows).to_rows_obj()
+
+
+def test_records_without_context_fields_parse_as_before():
+    assert wire.decode(_with(STEP, ctx_tokens=_DROP)).ctx_tokens is None
+    pol = wire.decode(json.dumps(POLICY).encode())
+    assert all(r.ctx_band is None for r in pol.table)
+    assert "ctx" not in wire.encode(pol).decode()  # nothing new is written for a table without bands

@@ -44,10 +44,22 @@ def test_audit_replays_tables_fallback_and_exploration():
     assert r["mismatches"] == [{"step": 200, "batch_size": 2, "steps": 0, "version": 2, "table_says": 3}]
 
 
+def test_audit_replays_context_bands_with_the_logged_context():
+    p3 = pol(3, [(1, 3, 3), (4, None, 0)])
+    p3["table"] += [dict(r, min_ctx=1024) for r in pol(3, [(1, 1, 1), (2, None, 0)])["table"]]
+    dec = [(0, 2, 3, 3, 2 * 300), (1, 2, 0, 3, 2 * 6000), (2, 2, 3, 3, None), (3, 1, 1, 3, 6000)]
+    r = SC.audit_decisions(dec, {3: p3})
+    assert (r["checked"], r["match"]) == (4, 4)
+    r = SC.audit_decisions([(4, 2, 3, 3, 2 * 6000)], {3: p3})  # s3 where the long band says off
+    assert r["match"] == 0 and r["mismatches"][0]["table_says"] == 0
+
+
 def test_read_decisions_skips_header_and_cut_lines(tmp_path):
     p = tmp_path / "d.txt"
     p.write_text("# specctl decisions rank 0: step batch_size steps version\n0 1 3 F\n1 2 3 4\n2 8 0 4\n3 8")
-    assert SC.read_decisions(str(p)) == [(0, 1, 3, None), (1, 2, 3, 4), (2, 8, 0, 4)]
+    assert SC.read_decisions(str(p)) == [(0, 1, 3, None, None), (1, 2, 3, 4, None), (2, 8, 0, 4, None)]
+    p.write_text("0 8 3 4 2400\n1 8 0 4 48000\n2 8 0 4 48")  # the last line cut in its context field
+    assert SC.read_decisions(str(p)) == [(0, 8, 3, 4, 2400), (1, 8, 0, 4, 48000)]
     assert SC.read_decisions(str(tmp_path / "missing.txt")) == []
 
 

@@ -29,11 +29,54 @@ class _SeqLens:
         self.shape = (n,)
 
 
-class Batch:
-    """The ScheduleBatch fields the worker and the hooks read."""
+def _kv_info_on_req_kv() -> bool:
+    """Where the installed sglang keeps a request's kv_committed_len: 0.5.17 on the Req, 0.5.2x on
+    its ReqKvInfo (req.kv); read from its schedule_batch.py, which does not import on CPU."""
+    import importlib.util
+    from pathlib import Path
 
-    def __init__(self, batch_size: int, forward_iter: int, *, extend: bool = False):
-        self.reqs = [object()] * batch_size
+    spec = importlib.util.find_spec("sglang")
+    if spec is None or not spec.submodule_search_locations:
+        return False
+    src = Path(list(spec.submodule_search_locations)[0], "srt", "managers", "schedule_batch.py")
+    return src.exists() and "req.kv.kv_committed_len" in src.read_text()
+
+
+class _KvInfo:
+    __slots__ = ("kv_committed_len", "kv_allocated_len")
+
+    def __init__(self, n: int):
+        self.kv_committed_len = n
+        self.kv_allocated_len = n + 4
+
+
+class Req:
+    """A Req as the context read sees it: its committed KV length where the installed sglang keeps it."""
+
+    KV_ON_REQ_KV = _kv_info_on_req_kv()
+
+    def __init__(self, committed: int):
+        if self.KV_ON_REQ_KV:
+            self.kv = _KvInfo(committed)
+        else:
+            self.kv_committed_len = committed
+            self.kv = None
+
+
+def default_ctx(forward_iter: int, batch_size: int) -> list[int]:
+    return [200 + 3 * i for i in range(batch_size)]
+
+
+class Batch:
+    """The ScheduleBatch fields the worker and the hooks read. `ctx`: each request's committed KV
+    length (None: requests without one, as a host that cannot tell)."""
+
+    def __init__(self, batch_size: int, forward_iter: int, *, extend: bool = False,
+                 ctx: Optional[list[int]] = None, no_ctx: bool = False):
+        if no_ctx:
+            self.reqs = [object()] * batch_size
+        else:
+            self.reqs = [Req(n) for n in (ctx if ctx is not None else default_ctx(forward_iter, batch_size))]
         self.seq_lens = _SeqLens(batch_size)
         self.forward_mode = _Mode(extend)
         self.is_extend_in_batch = False
@@ -162,15 +205,21 @@ def telemetry_during(settings, start: Callable[[object], int], run: Callable[[in
 
 
 def run_decode(worker: EAGLEWorkerV2Standin, processor: ResultProcessorStandin, sizes: list[int], *,
-               start_iter: int = 0, overlap: bool = True, between: Optional[Callable[[int], None]] = None) -> int:
+               start_iter: int = 0, overlap: bool = True, between: Optional[Callable[[int], None]] = None,
+               ctx_of: Optional[Callable[[int, int], Optional[list[int]]]] = None) -> int:
     """SGLang's event loop for decode batches: with overlap, batch N+1 is launched before the
-    result of batch N is processed (scheduler.py event_loop_overlap)."""
+    result of batch N is processed (scheduler.py event_loop_overlap). `ctx_of(forward_iter,
+    batch_size)`: the requests' committed KV lengths (None: requests without one)."""
     pending: Optional[tuple[Result, Batch]] = None
     it = start_iter
     for bs in sizes:
         if between is not None:
             between(it)
-        batch = Batch(bs, it)
+        if ctx_of is None:
+            batch = Batch(bs, it)
+        else:
+            lens = ctx_of(it, bs)
+            batch = Batch(bs, it, ctx=lens, no_ctx=lens is None)
         res = worker.forward_batch_generation(batch)
         if overlap:
             if pending is not None:

@@ -147,7 +147,7 @@ def test_internal_error_falls_back_for_good():
     run_results(eng, 4)
 
     class Broken(PolicyTable):
-        def decide(self, batch_size, step_counter):
+        def decide(self, batch_size, step_counter, ctx_tokens=None):
             raise ZeroDivisionError("boom")
 
     object.__setattr__(eng, "table", Broken(rows=eng.table.rows))
@@ -358,3 +358,41 @@ def test_a_tree_that_could_not_be_built_stops_being_offered():
     assert [eng.decide(b) for b in (1, 5)] == [2, 0]  # the fallback's tree became the chain s2
     rec = wire.decode_step(eng.step_record(iter=1, ts=1.0, batch_size=1, draft_tokens=3, accepted=[1], step_ms=8.0))
     assert rec.config.key == (2, 1, 3)
+
+
+def _banded_frame(version: int) -> bytes:
+    obj = json.loads(policy_frame(version, [(1, 4, 3), (5, None, 0)]))
+    for lo, hi, rows in ((0, 1023, [(1, 9, 3), (10, None, 0)]), (1024, None, [(1, 3, 1), (4, None, 0)])):
+        for a, b, s in rows:
+            r = {"min_batch": a, "max_batch": b, "config": {"steps": s, "topk": 1, "draft_tokens": s + 1 if s else 1},
+                 "min_ctx": lo}
+            if hi is not None:
+                r["max_ctx"] = hi
+            obj["table"].append(r)
+    return json.dumps(obj).encode()
+
+
+@pytest.mark.parametrize("batch, ctx_tokens, steps", [
+    (6, None, 0),          # context unknown: the rows naming none
+    (6, 6 * 300, 3),       # ~300 tokens a request: the first band
+    (6, 6 * 6000, 0), (3, 3 * 6000, 1),
+    (12, 12 * 1023, 0), (9, 9 * 1023, 3), (9, 9 * 1024, 0),
+])
+def test_a_banded_policy_decides_by_the_batch_context(batch, ctx_tokens, steps):
+    eng = make()
+    eng.offer_policy_frame(_banded_frame(3))
+    run_results(eng, 4)
+    assert eng.active_version == 3
+    assert eng.decide(batch, ctx_tokens) == steps
+
+
+def test_the_decision_log_carries_the_context_where_it_was_known(tmp_path):
+    s = PluginSettings.from_env({"SPECCTL_DECISION_LOG": str(tmp_path / "d{rank}.txt"), "SPECCTL_POLICY": "ipc:///x",
+                                 "SPECCTL_SYNC_EVERY": "1"})
+    eng = EngineController(s, candidate_steps=(0, 1, 3), clock=Clock())
+    eng.offer_policy_frame(_banded_frame(7))
+    eng.note_result() and eng.sync()
+    eng.decide(6, 6 * 6000)
+    eng.decide(6)
+    eng.close_trace()
+    assert (tmp_path / "d0.txt").read_text().splitlines()[1:] == ["0 6 0 7 36000", "1 6 0 7"]

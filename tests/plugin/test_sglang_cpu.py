@@ -19,7 +19,7 @@ import zmq
 
 from specctl.controller import transport
 from specctl.plugin import launch_args
-from specctl.policies.table import PolicyTable, chain
+from specctl.policies.table import Band, PolicyTable, Row, chain
 
 
 
@@ -41,10 +41,16 @@ class Clock:
         return self.t
 
 
-def policy_frame(version: int, rows, source: str = "online") -> bytes:
-    table = PolicyTable.from_rows([(a, b, chain(s)) for a, b, s in rows], version=version, source=source)
+def policy_frame(version: int, rows, source: str = "online", bands=(), explore=()) -> bytes:
+    """bands: ((min_ctx, max_ctx, rows), ...), rows as (min_batch, max_batch, steps); explore: Rows."""
+    table = PolicyTable(rows=tuple(Row(a, b, chain(s)) for a, b, s in rows), version=version, source=source,
+                        bands=tuple(Band(lo, hi, tuple(Row(a, b, chain(s)) for a, b, s in rs)) for lo, hi, rs in bands))
     obj = {"kind": "policy", "schema": 1, "version": version, "created_at": time.time(),
            "source": source, "table": table.to_rows_obj()}
+    if explore:
+        from specctl.policies.table import rows_to_obj
+
+        obj.update(explore=rows_to_obj(explore), explore_period=64)
     return json.dumps(obj).encode()
 
 
@@ -225,7 +231,7 @@ def test_exception_inside_the_plugin_keeps_the_server_serving(server, plugged):
     worker, proc, eng = server()
 
     class Broken:
-        def decide(self, batch_size, step_counter):
+        def decide(self, batch_size, step_counter, ctx_tokens=None):
             raise RuntimeError("injected")
 
     eng.table = Broken()
@@ -273,6 +279,55 @@ def test_telemetry_frames_attribute_each_step_to_the_width_that_produced_it(serv
         assert abs(r.ts - time.time()) < 60
 
 
+# ----------------------------------------------------------------------------- context bands
+
+BANDS = ((0, 1023, [(1, 9, 3), (10, None, 0)]), (1024, None, [(1, 3, 1), (4, None, 0)]))
+
+
+def _alternating_ctx(it: int, bs: int) -> list[int]:
+    """Requests of ~300 context tokens for 25 batches, then ~6000 (varying within a batch)."""
+    mean = 300 if (it // 25) % 2 == 0 else 6000
+    return [mean - 20 + (i * 13) % 41 for i in range(bs)]
+
+
+def test_decisions_follow_the_band_of_the_batch_context_and_telemetry_carries_it(server, plugged):
+    worker, proc, eng = server()
+    rows = [(1, 4, 3), (5, None, 0)]
+    st = load_standin()
+    first, recs = st.telemetry_during(
+        plugged.settings,
+        lambda pub: publish_until(pub, policy_frame(51, rows, bands=BANDS), worker, proc,
+                                  lambda: eng.active_version == 51),
+        lambda first: st.run_decode(worker, proc, SIZES[:150], start_iter=first, ctx_of=_alternating_ctx))
+    table = PolicyTable.from_policy_obj(json.loads(policy_frame(51, rows, bands=BANDS)))
+    chosen = [(i, *worker.used[i]) for i in range(first, first + 150)]
+    assert [s for _, _, s in chosen] == [table.lookup(bs, sum(_alternating_ctx(i, bs)))[0] for i, bs, _ in chosen]
+    assert {s for _, bs, s in chosen if bs in (6, 8)} == {0, 3}  # the same batch size, both bands' choices
+    assert len(recs) >= 140
+    for r in recs:
+        assert r.ctx_tokens == sum(_alternating_ctx(r.iter, r.batch_size))  # the context the decision saw
+
+
+def test_a_batch_whose_context_cannot_be_read_uses_the_rows_naming_none(server, plugged, caplog):
+    worker, proc, eng = server()
+    rows = [(1, 4, 3), (5, None, 0)]
+    pub = transport.policy_pub(zmq.Context.instance(), plugged.settings.policy_endpoint)
+    try:
+        it = publish_until(pub, policy_frame(61, rows, bands=BANDS), worker, proc, lambda: eng.active_version == 61)
+    finally:
+        pub.close(linger=0)
+    worker.used.clear()
+    unreadable = set(range(it, it + 40, 3))  # every third batch's requests have no committed length
+    with caplog.at_level(logging.WARNING, logger="specctl.plugin"):
+        load_standin().run_decode(worker, proc, SIZES[:40], start_iter=it,
+                                  ctx_of=lambda i, bs: None if i in unreadable else _alternating_ctx(i, bs))
+    table = PolicyTable.from_policy_obj(json.loads(policy_frame(61, rows, bands=BANDS)))
+    for i, (bs, s) in worker.used.items():
+        want = table.lookup(bs, None if i in unreadable else sum(_alternating_ctx(i, bs)))[0]
+        assert s == want, (i, bs, s, want)
+    assert eng.failed is None and "context is unreadable" in caplog.text
+
+
 # ----------------------------------------------------------------------------- tensor parallel
 
 
@@ -289,6 +344,9 @@ def test_two_gloo_ranks_make_identical_choices_while_policies_land_mid_run(tmp_p
              for r in range(2)]
     tables = {v: [(1, 4, 3), (5, None, 0)] if v % 3 == 1 else
               [(1, 8, 1), (9, None, 3)] if v % 3 == 2 else [(1, None, 1)] for v in range(1, 200)}
+    bands = {v: BANDS if v % 3 == 0 else () for v in tables}  # every third version decides by context
+    # and every third explores s1 at long contexts only (a policy without bands that still reads the context)
+    explore = {v: (Row(1, None, chain(1), min_ctx=1024),) if v % 3 == 2 else () for v in tables}
     version = 0
     deadline = time.monotonic() + 240
     try:
@@ -296,7 +354,7 @@ def test_two_gloo_ranks_make_identical_choices_while_policies_land_mid_run(tmp_p
             assert time.monotonic() < deadline, "TP ranks did not finish (hang?)"
             if (tmp_path / "running").exists():
                 version += 1
-                pub.send(policy_frame(version, tables[version]))
+                pub.send(policy_frame(version, tables[version], bands=bands[version], explore=explore[version]))
             time.sleep(0.12)
     finally:
         pub.close(linger=0)
@@ -312,10 +370,13 @@ def test_two_gloo_ranks_make_identical_choices_while_policies_land_mid_run(tmp_p
     assert logs[0]["num_broadcasts"] == logs[1]["num_broadcasts"] == 3000 // 8
     applied = [v for v in logs[0]["versions"] if v is not None]
     assert len(set(applied)) >= 3, f"too few policy versions landed mid-run: {sorted(set(applied))}"
-    for bs, steps, v in zip(logs[0]["sizes"], logs[0]["steps"], logs[0]["versions"]):
-        want = PolicyTable.from_rows([(a, b, chain(s)) for a, b, s in tables[v]]).lookup(bs)[0] \
-            if v is not None else (3 if bs < 5 else 0)
-        assert steps == want
+    assert logs[0]["ctx"] == logs[1]["ctx"]
+    for i, (bs, steps, v, ctx) in enumerate(zip(logs[0]["sizes"], logs[0]["steps"], logs[0]["versions"], logs[0]["ctx"])):
+        want = PolicyTable.from_policy_obj(json.loads(policy_frame(v, tables[v], bands=bands[v], explore=explore[v]))) \
+            .decide(bs, i, ctx)[0] if v is not None else (3 if bs < 5 else 0)
+        assert steps == want, (i, bs, steps, v, ctx, want)
+    assert any(bands[v] for v in applied), "no banded policy landed mid-run"
+    assert any(explore[v] for v in applied), "no policy with a context band's exploring row landed mid-run"
 
 
 def test_file_mode_and_off_mode_through_register(tmp_path):

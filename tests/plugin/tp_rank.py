@@ -13,7 +13,10 @@ import time
 from pathlib import Path
 
 rank, world, port, endpoint, outdir = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], Path(sys.argv[5])
-os.environ.update({"SPECCTL_POLICY": endpoint, "SPECCTL_TELEMETRY": "none", "SPECCTL_SYNC_EVERY": "8",
+# rank 0 sends telemetry (to no one: a PUSH drops), so it reads each batch's context for that alone while
+# the other rank reads it only where the policy decides by it: their decisions must agree anyway
+os.environ.update({"SPECCTL_POLICY": endpoint, "SPECCTL_SYNC_EVERY": "8",
+                   "SPECCTL_TELEMETRY": f"ipc://{outdir}/telemetry.sock" if rank == 0 else "none",
                    "SPECCTL_SERVER_ID": "tp-test", "SPECCTL_STALE_AFTER_S": "30"})
 
 import torch.distributed as dist  # noqa: E402
@@ -92,11 +95,16 @@ def between(it):
     time.sleep(0.001)
 
 
-st.run_decode(worker, st.ResultProcessorStandin(worker), sizes, between=between)
+def ctx_of(it, bs):  # ~300 context tokens a request for 40 batches, then ~6000: every rank sees the same
+    return [(300 if (it // 40) % 2 == 0 else 6000) + (i * 13) % 41 for i in range(bs)]
+
+
+st.run_decode(worker, st.ResultProcessorStandin(worker), sizes, between=between, ctx_of=ctx_of)
 dist.barrier(group=tp.cpu_group)
 steps = [worker.used[i][1] for i in range(len(sizes))]
 (outdir / f"rank{rank}.json").write_text(json.dumps({
     "steps": steps, "versions": versions, "sizes": sizes, "receiver": rt.receiver is not None,
+    "ctx": [sum(ctx_of(i, bs)) for i, bs in enumerate(sizes)],
     "status": eng.status(), "broadcast_us_median": sorted(bcast_ns)[len(bcast_ns) // 2] / 1000,
     "num_broadcasts": len(bcast_ns)}))
 print(f"rank {rank}: {eng.status()}; {len(bcast_ns)} broadcasts, median "

@@ -1,10 +1,11 @@
+import json
 import warnings
 
 import numpy as np
 import pytest
 
 from specctl.training.costmodel import FRESH_WARM, RING, CostModel, Sample
-from specctl.training.synth import generate, truth_with_crossover
+from specctl.training.synth import generate, truth_with_crossover, truth_with_ctx_crossovers
 
 OFF, S1, S2, S3, S5 = (0, 1, 1), (1, 1, 2), (2, 1, 3), (3, 1, 4), (5, 1, 6)
 
@@ -230,7 +231,7 @@ def test_a_state_without_timestamps_loads_with_the_states_time():
     assert m2.predict_step_ms(OFF, [4])[0] == pytest.approx(2.5)  # nothing is newer than the steady values
     assert m2.values_since(OFF, 4, 7, state["now"], 1000) == RING + 20
     state["times"][0] = state["times"][0] + [[]]
-    with pytest.raises(ValueError, match="6 nor 8 fields"):
+    with pytest.raises(ValueError, match="6, 8 nor 10 fields"):
         CostModel().set_state(state)
 
 
@@ -395,3 +396,65 @@ def test_step_time_standard_error_is_never_nan_beside_a_cell_with_no_weight_left
         se, thin = m.step_ms_errors(OFF, [4, 6, 8])
     assert np.isfinite(se[0]) and se[0] > 0 and np.isinf(se[1:]).all()
     assert thin[0] == 0.0 and np.isinf(thin[1:]).all()
+
+
+# ------------------------------------------------------------------------- context
+
+
+def _ctx_samples(truth, n, bs, *, seed=1, levels=(300, 6000), drop_ctx=False):
+    for r in generate(truth, num_steps=n, batch_sizes=bs, seed=seed, ctx_per_request=levels):
+        c = r["config"]
+        yield Sample(ts=r["ts"], config=(c["steps"], c["topk"], c["draft_tokens"]), batch_size=r["batch_size"],
+                     step_ms=r["step_ms"], accepted=r.get("accepted"),
+                     ctx_tokens=None if drop_ctx else r.get("ctx_tokens"))
+
+
+CTX_BS = [1, 2, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128]
+
+
+def test_the_context_slope_and_the_step_time_at_each_context_are_recovered():
+    truth = truth_with_ctx_crossovers((300, 76), (6000, 14))
+    m = CostModel().fit(_ctx_samples(truth, 30000, CTX_BS))
+    assert m.has_ctx()
+    b = np.array([1, 8, 32, 128])
+    for ct in truth.configs:
+        slope, se = m.ctx_slope(ct.config)
+        assert slope == pytest.approx(ct.per_ctx_token_ms, rel=0.05) and se < 0.05 * slope
+        for mean in (300, 6000):
+            np.testing.assert_allclose(m.predict_step_ms_ctx(ct.config, b, mean), ct.step_ms(b, b * mean), rtol=0.03)
+        # measured in the bands of 240..360 and 4800..7200 tokens a request: trusted one band beyond
+        assert m.ctx_bands(ct.config) == [7, 8, 12]
+        assert [m.ctx_trusted(ct.config, k) for k in (5, 6, 10, 13, 14)] == [False, True, True, True, False]
+        assert m.summary()["configs"]["off" if ct.config == OFF else "s3"]["ctx_ms_per_ktoken"] == pytest.approx(
+            1000 * slope, rel=1e-3)
+
+
+def test_without_ctx_tokens_no_context_fit_runs_and_the_state_is_as_before():
+    truth = truth_with_ctx_crossovers((300, 76), (6000, 14))
+    m = CostModel().fit(_ctx_samples(truth, 6000, CTX_BS, drop_ctx=True))
+    assert not m.has_ctx() and m.ctx_bands() == [] and m.ctx_slope(S3) == (0.0, float("inf"))
+    np.testing.assert_array_equal(m.predict_step_ms_ctx(S3, [4, 40], 6000.0), m.predict_step_ms(S3, [4, 40]))
+    state = m.get_state()
+    assert "ctx" not in state and all(len(cell) == 8 for cell in state["times"])
+    assert "ctx_ms_per_ktoken" not in str(m.summary())
+
+
+def test_a_context_that_does_not_change_step_times_gives_no_slope():
+    truth = truth_with_crossover(30)  # no context term; the telemetry still carries ctx_tokens
+    m = CostModel().fit(_ctx_samples(truth, 20000, CTX_BS))
+    assert m.has_ctx()
+    for ct in truth.configs:
+        assert m.ctx_slope(ct.config)[0] == 0.0
+        b = np.arange(1, 200)
+        np.testing.assert_array_equal(m.predict_step_ms_ctx(ct.config, b, 6000.0), m.predict_step_ms(ct.config, b))
+
+
+def test_the_context_fit_survives_a_restart():
+    truth = truth_with_ctx_crossovers((300, 76), (6000, 14))
+    m = CostModel().fit(_ctx_samples(truth, 8000, CTX_BS))
+    state = json.loads(json.dumps(m.get_state()))  # through JSON, as the state dir keeps it
+    m2 = CostModel().set_state(state)
+    for c in (OFF, S3):
+        assert m2.ctx_slope(c) == pytest.approx(m.ctx_slope(c))
+        np.testing.assert_allclose(m2.predict_step_ms_ctx(c, [2, 50], 3000), m.predict_step_ms_ctx(c, [2, 50], 3000))
+        assert m2.ctx_bands(c) == m.ctx_bands(c)

@@ -2,6 +2,7 @@
 the oracle bounding every policy."""
 
 import copy
+import re
 import logging
 from dataclasses import replace
 
@@ -276,3 +277,99 @@ def test_sglang_ema_keeps_probing_in_the_simulator():
     share = r.phases[0].summary()["config_share"]
     assert share["s1"] == pytest.approx(0.5, abs=0.02) and share["off"] == pytest.approx(0.5, abs=0.02)
     assert _sim(prof, wl, "oracle").phases[0].summary()["config_share"] == {"off": 1.0}
+
+
+# ------------------------------------------------------------------------------ context
+
+CTX_PROFILE = _with(_with(PROFILE, ("ctx_tokens",), 500), ("ctx_step_ms",), [
+    {"ctx_tokens": 4500, "step_ms": {"off": [[1, 10.4], [64, 20.0]], "s1": [[1, 12.8], [64, 36.0]],
+                                     "s3": [[1, 16.6], [64, 72.0]]}}])
+CTX_WORKLOAD = _with(_with(WORKLOAD, ("classes", "code", "ctx_tokens"), [1000, 1000]),
+                     ("phases",), [{"duration_s": 1.0, "concurrency": 4, "mix": {"code": 1.0}}])
+
+
+@pytest.mark.parametrize("path, value, fragment", [
+    (("ctx_step_ms",), _DEL, "ctx_step_ms must be a non-empty list"),
+    (("ctx_tokens",), -1, "ctx_tokens (the mean context per request"),
+    (("ctx_step_ms", 0, "ctx_tokens"), 500, "repeats a context"),
+    (("ctx_step_ms", 0, "step_ms", "s3"), _DEL, "must name every config"),
+    (("ctx_step_ms", 0, "step_ms", "off"), [[1, -2.0]], "ctx_step_ms[0].step_ms.off has point"),
+    (("ctx_step_ms", 0, "extra"), 1, "ctx_tokens and step_ms only"),
+])
+def test_a_bad_context_term_names_the_problem(path, value, fragment):
+    with pytest.raises(SimFileError, match=re.escape(fragment)):
+        parse_profile(_with(CTX_PROFILE, path, value), "p.json")
+
+
+def test_a_bad_prompt_length_names_the_problem():
+    with pytest.raises(SimFileError, match=re.escape("classes.code.ctx_tokens (prompt tokens) must be [min, max]")):
+        parse_workload(_with(WORKLOAD, ("classes", "code", "ctx_tokens"), [10, 5]), "w.json")
+
+
+def test_step_time_is_piecewise_linear_in_the_mean_context_too():
+    p = parse_profile(CTX_PROFILE)
+    assert p.has_ctx and not parse_profile(PROFILE).has_ctx
+    off, s3 = p.config_names.index("off"), p.config_names.index("s3")
+    assert p.step_ms_ctx(off, 1, 500) == pytest.approx(10.0) and p.step_ms_ctx(off, 1, 4500) == pytest.approx(10.4)
+    assert p.step_ms_ctx(s3, 64, 2500) == pytest.approx(0.5 * (40.0 + 72.0))
+    assert p.step_ms_ctx(s3, 64, 8500) == pytest.approx(40.0 + 2 * 32.0)  # the last segment, continued
+    assert p.step_ms_ctx(off, 64, 0) == pytest.approx(12.0 - 8.0 / 8)  # and the first, below it
+    np.testing.assert_array_equal(parse_profile(PROFILE).step_ms_all_ctx(32, 9000.0), parse_profile(PROFILE).step_ms_all(32))
+
+
+def test_the_context_is_prompt_plus_generated_tokens_and_sets_the_step_time():
+    prof = parse_profile(CTX_PROFILE)
+    wl = parse_workload(CTX_WORKLOAD)
+    seen = []
+
+    class Recorder:
+        name, uses_ctx = "rec", True
+
+        def decide(self, batch_size, ctx_tokens=None):
+            seen.append((batch_size, ctx_tokens))
+            return (0, 1, 1)
+
+        def observe(self, batch_size, config, accepted, step_ms, now_s, ctx_tokens=None):
+            seen[-1] += (step_ms,)
+
+    r = simulate(prof, wl, Recorder())
+    assert r.num_steps == len(seen) > 10
+    # 4 requests of 1000 prompt tokens, one token more each step (until one finishes and is replaced)
+    assert seen[0][:2] == (4, 4000) and seen[1][:2] == (4, 4004) and seen[5][:2] == (4, 4020)
+    off = prof.config_names.index("off")
+    assert all(ms == prof.step_ms_ctx(off, bs, ctx / bs) for bs, ctx, ms in seen)
+    # policies that do not read the context are driven as before
+    assert _sim(prof, wl, "off").num_steps == r.num_steps
+
+
+def test_the_oracle_decides_with_the_step_times_at_the_batch_context():
+    prof = parse_profile(_with(CTX_PROFILE, ("noise_cv",), 0.0))
+    short = parse_workload(_with(CTX_WORKLOAD, ("classes", "code", "ctx_tokens"), [100, 100]))
+    long = parse_workload(_with(CTX_WORKLOAD, ("classes", "code", "ctx_tokens"), [20000, 20000]))
+    s = _sim(prof, replace(short, phases=(replace(short.phases[0], concurrency=48),)), "oracle")
+    lo = _sim(prof, replace(long, phases=(replace(long.phases[0], concurrency=48),)), "oracle")
+    share = lambda r: r.phases[0].summary()["config_share"]  # noqa: E731
+    assert share(s).get("s1", 0) > 0.9 and share(lo).get("off", 0) > 0.9
+
+
+def test_a_shipped_pair_with_a_context_term_and_alternating_prompts_runs_the_context_axis(caplog):
+    caplog.set_level(logging.ERROR)
+    prof, wl = load_profile("dense-8b-h200-ctx"), load_workload("long-context-alternating")
+    assert prof.has_ctx and wl.has_ctx
+    pol = make_policy("adaptive", prof, wl)
+    r = simulate(prof, wl, pol)
+    t = pol.engine.table
+    assert len(t.bands) >= 2 and r.tokens_per_s > 0
+    # the long-context band stops speculating far below the short-context band
+    from specctl.policies.table import PolicyTable
+    short, long = (PolicyTable(rows=t.rows_for(m)).spec_off_crossover() for m in (400, 6000))
+    assert long is not None and (short is None or short > 2 * long)
+
+
+@pytest.mark.slow
+def test_on_alternating_contexts_the_context_axis_beats_one_table(caplog):
+    caplog.set_level(logging.ERROR)
+    prof, wl = load_profile("dense-8b-h200-ctx"), load_workload("long-context-alternating")
+    banded = simulate(prof, wl, make_policy("adaptive", prof, wl)).tokens_per_s
+    flat = simulate(prof, wl, make_policy("adaptive:ctx_axis=false", prof, wl)).tokens_per_s
+    assert banded >= 1.03 * flat, (banded, flat)  # 1.056 when written

@@ -281,3 +281,47 @@ def test_cli_refuses_with_exit_2_and_still_writes_the_report(tmp_path):
     assert res.exit_code == 2
     assert not out.exists()
     assert "no usable samples" in res.output and "No policy written" in md.read_text()
+
+
+# ------------------------------------------------------------------------- context
+
+
+def _alternating(tmp_path, n=30000, seed=11):
+    """Telemetry whose traffic alternates between ~300 and ~6000 context tokens a request every 2000
+    steps, on an engine whose spec->off crossover is 76 at the short context and 14 at the long."""
+    truth = synth.truth_with_ctx_crossovers((300, 76), (6000, 14))
+    recs = synth.generate(truth, num_steps=n, batch_sizes=list(range(1, 129)), seed=seed, ctx_per_request=[300, 6000])
+    return truth, write_jsonl_gz(tmp_path / "alternating.jsonl.gz", recs)
+
+
+def test_alternating_contexts_train_a_table_per_band_that_does_not_flap(tmp_path):
+    truth, path = _alternating(tmp_path)
+    flat, flat_report = train([path], ctx_axis=False)
+    assert flat_report.ok and not flat_report.ctx_bands
+    # one table for both contexts: s3 and off take turns, batch size after batch size, from 17 to 128
+    assert len(flat.table) > 20 and all(r.ctx_band is None for r in flat.table)
+    policy, report = train([path])
+    assert report.ok, report.missing
+    t = PolicyTable.from_policy_obj(wire.to_obj(policy))
+    assert t.rows == PolicyTable.from_policy_obj(wire.to_obj(flat)).rows  # the rows for any context stay
+    assert len(t.bands) >= 2 and t.bands[0].min_ctx == 0 and t.bands[-1].max_ctx is None
+    for band in t.bands:  # no flapping: every band speculates below one batch size and decodes plainly above
+        assert [r.config for r in band.rows] == [S3, OFF]
+    for mean, tol in ((300, 0.1 * 76), (6000, 2)):
+        got = PolicyTable(rows=t.rows_for(mean)).spec_off_crossover()
+        assert abs(got - truth.crossover(mean_ctx=mean)) <= tol, (mean, got)
+    assert [b["min_ctx"] for b in policy.model["ctx_bands"]] == [b.min_ctx for b in t.bands]
+    md = report_markdown(report, policy)
+    assert "## Context bands" in md and "| 4096+ | s3 1–13, off 14+ | batch 14 |" in md
+    assert report.to_obj()["ctx_bands"][-1]["crossover"] == 14
+
+
+def test_train_cli_context_axis_flag(tmp_path):
+    _, path = _alternating(tmp_path, n=12000)
+    for flag, banded in (("--ctx-axis", True), ("--no-ctx-axis", False)):
+        out = tmp_path / f"p{flag}.json"
+        res = CliRunner().invoke(cli_main, ["train", str(path), "--out", str(out), flag])
+        assert res.exit_code == 0, res.output
+        pol = wire.decode_policy(out.read_bytes())
+        assert any(r.ctx_band is not None for r in pol.table) is banded
+        assert ("context 4096+ tokens a request" in res.output) is banded

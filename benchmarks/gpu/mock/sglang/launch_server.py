@@ -1,21 +1,27 @@
 # A stand-in for `python3 -m sglang.launch_server` (CPU, stdlib) to exercise run_bench.py without a GPU:
 #   PYTHONPATH=benchmarks/gpu/mock python3 benchmarks/gpu/run_bench.py --model <dir with a tokenizer> ...
 # Serves /health and /generate (streaming or not) with fake tokens and prints SGLang-style Decode-batch lines.
+# A step takes longer the more context its requests hold (#token counts the running requests' prompts and
+# tokens so far), and longer with speculation: enough physics for the context-profile tooling's tests.
 import sys, json, time, threading, random
 from http.server import ThreadingHTTPServer, BaseHTTPRequestHandler
 args = sys.argv[1:]
 port = int(args[args.index("--port") + 1])
 spec = "--speculative-algorithm" in args
 steps = int(args[args.index("--speculative-num-steps") + 1]) if spec else 0
-state = {"running": 0}
+state = {"running": 0, "tokens": 0}
 lock = threading.Lock()
+def step_s():
+    n = max(1, state["running"])
+    return 0.002 * (1 + 0.3 * steps) * (1 + state["tokens"] / n / 4000.0)
 def logger():
     while True:
-        time.sleep(0.05)
+        time.sleep(0.02)
         n = state["running"]
         if n:
-            acc = f"accept len: {1 + steps * 0.5:.2f}, " if spec else ""
-            print(f"[x] Decode batch, #running-req: {n}, #token: 5, token usage: 0.01, {acc}gen throughput (token/s): {n * 200.0:.2f}, #queue-req: 0", flush=True)
+            acc_len = 1 + steps * 0.5 if spec else 1.0
+            acc = f"accept len: {acc_len:.2f}, " if spec else ""
+            print(f"[x] Decode batch, #running-req: {n}, #token: {state['tokens']}, token usage: 0.01, {acc}gen throughput (token/s): {n * acc_len / step_s():.2f}, #queue-req: 0", flush=True)
 threading.Thread(target=logger, daemon=True).start()
 class H(BaseHTTPRequestHandler):
     def log_message(self, *a): pass
@@ -24,7 +30,7 @@ class H(BaseHTTPRequestHandler):
     def do_POST(self):
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         new = body["sampling_params"]["max_new_tokens"]; ids = [sum(body["input_ids"]) % 1000 + i for i in range(new)]
-        with lock: state["running"] += 1
+        with lock: state["running"] += 1; state["tokens"] += len(body["input_ids"])
         vct = new if not spec else int(new / (1 + steps * 0.5)) + 1
         try:
             if body.get("stream"):
@@ -36,6 +42,9 @@ class H(BaseHTTPRequestHandler):
                 self.wfile.write(b"data: [DONE]\n\n")
             else:
                 time.sleep(0.01)
+                if body["sampling_params"].get("ignore_eos"):  # a fixed-length decode: as long as its steps take
+                    for _ in range(vct):
+                        time.sleep(step_s())
                 meta = {"completion_tokens": new, "spec_verify_ct": vct if spec else None}
                 if body.get("return_logprob"):  # top-k log-probabilities per output position: [[logprob, id, text], ...]
                     k = body.get("top_logprobs_num", 1)
@@ -43,6 +52,6 @@ class H(BaseHTTPRequestHandler):
                 o = json.dumps({"text": "x", "output_ids": ids, "meta_info": meta}).encode()
                 self.send_response(200); self.send_header("Content-Type", "application/json"); self.send_header("Content-Length", str(len(o))); self.end_headers(); self.wfile.write(o)
         finally:
-            with lock: state["running"] -= 1
+            with lock: state["running"] -= 1; state["tokens"] -= len(body["input_ids"])
 time.sleep(1)
 ThreadingHTTPServer(("127.0.0.1", port), H).serve_forever()
