@@ -22,7 +22,7 @@ setup_one() {
     local version="$1"
     local dir="$ROOT/.cache/sglang-$version"
     local stamp="$dir/.specctl-stamp"
-    local want="sglang=$version torch=$TORCH_VERSION deps=${DEPS[*]} v4"
+    local want="sglang=$version torch=$TORCH_VERSION deps=${DEPS[*]} v5"
     if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && "$dir/bin/python" - "$version" <<'PYEOF'
 import sys, importlib.metadata as md
 assert md.version("sglang") == sys.argv[1]
@@ -35,19 +35,21 @@ PYEOF
     echo "sglang $version: installing into $dir"
     rm -rf "$dir"
     "$PY" -m venv "$dir"
-    local pip=("$dir/bin/python" -m pip install --disable-pip-version-check --quiet)
+    # --no-compile: byte-compiling all of torch, triton and the rest takes longer than installing
+    # them; the check at the end compiles what the plugin and its tests import
+    local pip=("$dir/bin/python" -m pip install --disable-pip-version-check --quiet --no-compile)
     local cons="$dir/constraints.txt"
     echo "torch==$TORCH_VERSION" > "$cons"
-    # torch==2.13.0 resolves to the CPU wheel kept on this kind of machine (pip's find-links);
-    # prefer the explicit +cpu local version where an index offers it.
-    "${pip[@]}" "torch==$TORCH_VERSION+cpu" 2>/dev/null || "${pip[@]}" "torch==$TORCH_VERSION"
     local extra=()
     # 0.5.22+: sglang.srt.distributed (the TP group the plugin broadcasts on) imports tvm_ffi
     case "$version" in 0.5.1?|0.5.1?.*) ;; *) extra=(apache-tvm-ffi==0.1.11) ;; esac
-    "${pip[@]}" -c "$cons" "${DEPS[@]}" "${extra[@]}"
+    # one resolver run: torch, what sglang imports, and specctl with its test extras (any test of
+    # the suite can run in this env). torch==2.13.0 resolves to the CPU wheel kept on this kind of
+    # machine (pip's find-links); prefer the explicit +cpu local version where an index offers it.
+    local rest=("${DEPS[@]}" "${extra[@]}" -e "$ROOT[test]")
+    "${pip[@]}" -c "$cons" "torch==$TORCH_VERSION+cpu" "${rest[@]}" 2>/dev/null \
+        || "${pip[@]}" -c "$cons" "torch==$TORCH_VERSION" "${rest[@]}"
     "${pip[@]}" -c "$cons" --no-deps "sglang==$version"
-    # specctl with its test extras: any test of the suite can run in this env
-    "${pip[@]}" -c "$cons" -e "$ROOT[test]"
     local site
     site="$("$dir/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
     if ! "$dir/bin/python" -c 'import torchvision' 2>/dev/null; then
@@ -64,9 +66,10 @@ def decode_jpeg(*args, **kwargs):
 PYEOF
         echo "$dir/stubs" > "$site/specctl-cpu-stubs.pth"
     fi
-    "$dir/bin/python" - "$version" <<'PYEOF'
+    # writes the bytecode of what it imports (pip did not), also where PYTHONDONTWRITEBYTECODE is set
+    env -u PYTHONDONTWRITEBYTECODE "$dir/bin/python" - "$version" <<'PYEOF'
 import sys, importlib.metadata as md
-import torch
+import torch, torch.distributed, pytest
 assert md.version("sglang") == sys.argv[1], md.version("sglang")
 if "+cpu" not in torch.__version__:
     print(f"warning: torch {torch.__version__} is not a CPU build (pip found no local +cpu wheel)")
