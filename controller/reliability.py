@@ -235,19 +235,23 @@ def kill_during_write(directory: str | os.PathLike[str], *, num_kills: int = 200
             zyg.stdin.write(f"fork {d} {start}\n".encode())
             zyg.stdin.flush()
             pid, started = 0, False
-            while not (pid and started):  # the child's line and the helper's may come in any order
+            last_done = start - 1
+            # the child's lines and the helper's may come in any order: on a loaded machine the
+            # child can finish saves before the helper gets to report its pid
+            while not (pid and started):
                 line = zyg.stdout.readline()
                 if line.startswith(b"pid "):
                     pid = int(line.split()[1])
                 elif line == b"started\n":
                     started = True
+                elif line.startswith(b"done "):
+                    last_done = int(line.split()[1])
                 else:
                     raise RuntimeError(f"state-writer helper failed: {line!r}")
             time.sleep(rng.uniform(0, max_delay_s))
             os.kill(pid, signal.SIGKILL)
             zyg.stdin.write(f"reap {pid}\n".encode())
             zyg.stdin.flush()
-            last_done = start - 1
             while True:
                 line = zyg.stdout.readline()
                 if line == b"reaped\n" or not line:
