@@ -17,16 +17,12 @@ demo: setup
 	$(VENV)/bin/specctl demo
 
 SGLANG_VERSIONS ?= 0.5.17 0.5.23
+TEST_JOBS ?= 4
 
 # every test; then the plugin against the real sglang modules of each supported release
-# (CPU environments under .cache/, built by scripts/setup_sglang_cpu.sh)
+# (CPU environments under .cache/, built by scripts/setup_sglang_cpu.sh while the suite runs)
 test: setup
-	bash scripts/setup_sglang_cpu.sh $(SGLANG_VERSIONS)
-	$(PY) -m pytest -q
-	for v in $(SGLANG_VERSIONS); do \
-	  echo "== plugin tests on sglang $$v"; \
-	  .cache/sglang-$$v/bin/python -m pytest -q tests/plugin tests/policies/test_baselines.py || exit 1; \
-	done
+	PY=$(PY) TEST_JOBS=$(TEST_JOBS) SGLANG_VERSIONS="$(SGLANG_VERSIONS)" bash scripts/test_all.sh
 
 test-fast: setup
 	$(PY) -m pytest -q -m "not slow"

@@ -21,11 +21,11 @@ class ServeProc:
 
     def start(self, ctx):
         self.proc = subprocess.Popen(self.args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-        wait_for_status(ctx, self.endpoints["status"], timeout_s=20)
+        wait_for_status(ctx, self.endpoints["status"], timeout_s=60)
         return self
 
     def status(self, ctx, cmd="status"):
-        return transport.status_request(ctx, self.endpoints["status"], {"cmd": cmd}, timeout_ms=3000)
+        return transport.status_request(ctx, self.endpoints["status"], {"cmd": cmd}, timeout_ms=10_000)
 
     def kill(self, sig=signal.SIGKILL):
         if self.proc and self.proc.poll() is None:

@@ -26,13 +26,14 @@ def inproc_daemon(zctx, endpoints):
     d = Daemon(svc, Endpoints(endpoints["telemetry"], endpoints["publish"], endpoints["status"]), ctx=zctx)
     th = threading.Thread(target=d.run, daemon=True)
     th.start()
-    wait_for_status(zctx, endpoints["status"])
+    wait_for_status(zctx, endpoints["status"], timeout_s=60)
     yield d
     d.stop_event.set()
     th.join(5)
 
 
-def _wait(pred, timeout=10.0):
+def _wait(pred, timeout=60.0):
+    """Poll `pred` until it holds (True) or `timeout` s pass (False): a bound on waiting, not a speed."""
     t = time.monotonic()
     while time.monotonic() - t < timeout:
         if pred():
@@ -56,17 +57,17 @@ def test_garbage_is_counted_and_the_daemon_stays_up(inproc_daemon, zctx, endpoin
         sender.send(f)
     svc = inproc_daemon.service
     assert _wait(lambda: svc.model.num_samples_ == len(good))
-    st = transport.status_request(zctx, endpoints["status"], {"cmd": "status"})
+    st = transport.status_request(zctx, endpoints["status"], {"cmd": "status"}, timeout_ms=10_000)
     assert sum(st["rejected"].values()) == len(hostile) + 1  # + the probe
     assert svc.metrics.value("specctl_records_rejected_total", {"reason": "bad_json"}) >= 5
     # the status socket survives bad requests too
-    assert "error" in transport.status_request(zctx, endpoints["status"], {"cmd": "nope"})
-    assert transport.status_request(zctx, endpoints["status"], {"cmd": "ping"}) == {"kind": "pong"}
+    assert "error" in transport.status_request(zctx, endpoints["status"], {"cmd": "nope"}, timeout_ms=10_000)
+    assert transport.status_request(zctx, endpoints["status"], {"cmd": "ping"}, timeout_ms=10_000) == {"kind": "pong"}
 
 
 def test_policy_reaches_a_conflating_subscriber(inproc_daemon, zctx, endpoints):
     rx = transport.PolicyReceiver(zctx, endpoints["publish"])
-    frame = rx.wait(3000)
+    frame = rx.wait(30_000)
     assert frame is not None
     pol = wire.decode_policy(frame)
     assert pol.version >= 1
@@ -81,16 +82,33 @@ def test_policy_reaches_a_conflating_subscriber(inproc_daemon, zctx, endpoints):
     def newer():
         f = rx.poll()
         return f is not None and wire.decode_policy(f).source == "online"
-    assert _wait(newer, 10)
+    assert _wait(newer)
 
 
-def test_engine_side_send_never_blocks_without_a_daemon(zctx, tmp_path):
-    sender = transport.TelemetrySender(zctx, f"ipc://{tmp_path}/nobody.sock", hwm=10)
-    t = time.perf_counter()
-    for _ in range(10000):
-        sender.send(b"x" * 200)
-    assert sender.num_dropped == 10000 and sender.num_sent == 0
-    assert time.perf_counter() - t < 5  # 10k non-blocking attempts, not 10k timeouts
+NO_DAEMON_SENDS = """
+import json, resource, sys, threading
+import zmq
+from specctl.controller import transport
+sender = transport.TelemetrySender(zmq.Context(), sys.argv[1], hwm=10)
+slept = resource.getrusage(resource.RUSAGE_THREAD).ru_nvcsw
+for _ in range(10000):
+    sender.send(b"x" * 200)
+slept = resource.getrusage(resource.RUSAGE_THREAD).ru_nvcsw - slept
+print(json.dumps({"sent": sender.num_sent, "dropped": sender.num_dropped, "slept": slept,
+                  "threads": threading.active_count()}))
+"""
+
+
+def test_engine_side_send_never_blocks_without_a_daemon(tmp_path):
+    # in a process of its own, as an engine's: no other Python thread can make a send wait for the GIL
+    out = subprocess.run([sys.executable, "-c", NO_DAEMON_SENDS, f"ipc://{tmp_path}/nobody.sock"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    r = json.loads(out.stdout)
+    assert (r["dropped"], r["sent"], r["threads"]) == (10000, 0, 1), r
+    # 10k attempts and none slept in the kernel (a voluntary context switch), as a blocking send or
+    # one with a timeout would; preemption by other processes is involuntary, so load does not count
+    assert r["slept"] == 0, r
 
 
 def _replay_truth(tmp_path, crossover, n=16000):
@@ -112,17 +130,19 @@ def test_serve_replay_show_recovers_crossover(serve, zctx, endpoints, tmp_path, 
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "sent 16000 records" in out.stdout
-    assert _wait(lambda: p.status(zctx)["records_in"] == 16000, 60)
-    time.sleep(2 * refit + 0.2)
+    assert _wait(lambda: p.status(zctx)["records_in"] == 16000)
+    # two refits that started after every record was in (the daemon answers status between ticks)
+    seen = p.status(zctx)["refits"]
+    assert _wait(lambda: p.status(zctx)["refits"] >= seen + 2)
     show = subprocess.run(CLI + ["policy", "show", "--json", "--endpoint", endpoints["status"]],
-                          capture_output=True, text=True, timeout=30)
+                          capture_output=True, text=True, timeout=120)
     assert show.returncode == 0, show.stderr
     pol = wire.policy_from_obj(json.loads(show.stdout))
     got = PolicyTable.from_policy_obj(wire.to_obj(pol)).spec_off_crossover()
     assert pol.source == "online"
     assert abs(got - crossover) <= 0.15 * crossover + 0.5, (got, crossover)
     text = subprocess.run(CLI + ["policy", "show", "--endpoint", endpoints["status"]],
-                          capture_output=True, text=True, timeout=30).stdout
+                          capture_output=True, text=True, timeout=120).stdout
     assert f"policy v{pol.version}" in text and "off" in text and "s3" in text
 
 
@@ -131,22 +151,26 @@ def test_sigkill_and_restart_keep_version_and_table(serve, zctx, endpoints, tmp_
     path = _replay_truth(tmp_path, 20, n=8000)
     subprocess.run(CLI + ["replay", str(path), "--to", endpoints["telemetry"]], check=True,
                    capture_output=True, timeout=120)
-    assert _wait(lambda: p.status(zctx)["policy"]["source"] == "online", 30)
-    time.sleep(1.0)
+    assert _wait(lambda: p.status(zctx)["policy"]["source"] == "online")
     before = p.status(zctx, "policy")
     p.kill(signal.SIGKILL)
+    shown = subprocess.run(CLI + ["policy", "show", "--json", "--state-dir", str(tmp_path / "state")],
+                           capture_output=True, text=True, timeout=60)
+    left = json.loads(shown.stdout)
+    # a version is persisted before it is served: the killed daemon left the one it served, or one
+    # it made after that (refits go on until the kill)
+    assert left["version"] >= before["version"] and left["source"] == "online"
+    if left["version"] == before["version"]:
+        assert left["table"] == before["table"]
     p2 = serve("--refit-interval", "0.3")
     after = p2.status(zctx, "policy")
-    assert after["version"] == before["version"] and after["table"] == before["table"]
-    shown = subprocess.run(CLI + ["policy", "show", "--json", "--state-dir", str(tmp_path / "state")],
-                           capture_output=True, text=True, timeout=30)
-    assert json.loads(shown.stdout)["version"] == before["version"]
+    assert after["version"] == left["version"] and after["table"] == left["table"]
 
 
 def test_serve_refuses_public_tcp_without_keys(tmp_path):
     out = subprocess.run(CLI + ["serve", "--telemetry", "tcp://0.0.0.0:0", "--publish", f"ipc://{tmp_path}/p",
                                 "--status", f"ipc://{tmp_path}/s", "--state-dir", str(tmp_path / "st")],
-                         capture_output=True, text=True, timeout=30)
+                         capture_output=True, text=True, timeout=120)
     assert out.returncode != 0
     assert "reachable from other hosts" in out.stderr and "--insecure" in out.stderr
 
@@ -154,7 +178,7 @@ def test_serve_refuses_public_tcp_without_keys(tmp_path):
 def test_policy_show_reports_bad_files_clearly(tmp_path):
     bad = tmp_path / "p.json"
     bad.write_text('{"kind": "policy", "schema": 1, "version": 1')
-    out = subprocess.run(CLI + ["policy", "show", "--file", str(bad)], capture_output=True, text=True, timeout=30)
+    out = subprocess.run(CLI + ["policy", "show", "--file", str(bad)], capture_output=True, text=True, timeout=120)
     assert out.returncode == 1 and "not a valid policy" in out.stderr and "Traceback" not in out.stderr
 
 

@@ -42,7 +42,7 @@ def test_replay_sends_every_line_and_reports_skips(tmp_path, zctx):
     assert [g.iter for g in got] == [r["iter"] for r in recs]
 
 
-def test_replay_speed_paces_by_recorded_timestamps(tmp_path, zctx):
+def test_replay_speed_paces_by_recorded_timestamps(tmp_path, zctx, monkeypatch):
     path = tmp_path / "r.jsonl"
     _recording(path, n=101, span_s=10.0)
     pull = zctx.socket(zmq.PULL)
@@ -56,13 +56,15 @@ def test_replay_speed_paces_by_recorded_timestamps(tmp_path, zctx):
         slept.append(s)
         now[0] += s
 
-    t0 = time.monotonic()
+    def real_sleep(s):
+        raise AssertionError(f"replay slept {s} s on the real clock, not the injected one")
+
+    monkeypatch.setattr(time, "sleep", real_sleep)
     rep = replay(path, push, speed=4.0, sleep=fake_sleep, clock=lambda: now[0])
     assert rep.sent == 101
     # 10 s recorded at 4x: the schedule waits 2.5 s in total, in 100 steps of 25 ms
     assert sum(slept) == pytest.approx(2.5, rel=1e-4)
     assert len(slept) == 100 and max(slept) == pytest.approx(0.025, rel=1e-4)
-    assert time.monotonic() - t0 < 2.0  # the injected sleep really was used
 
 
 def test_render_and_plot(tmp_path):
@@ -112,7 +114,7 @@ def test_serve_records_accepted_telemetry(serve, zctx, endpoints, tmp_path):
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0
     t = time.monotonic()
-    while p.status(zctx)["records_in"] < len(recs) and time.monotonic() - t < 20:
+    while p.status(zctx)["records_in"] < len(recs) and time.monotonic() - t < 60:
         time.sleep(0.05)
     p.kill(__import__("signal").SIGTERM)
     import gzip

@@ -177,31 +177,39 @@ class ResultProcessorStandin:
         return [[0] * n for n in result.accept_lens]
 
 
-def telemetry_during(settings, start: Callable[[object], int], run: Callable[[int], object]) -> tuple[int, list]:
+def telemetry_during(settings, start: Callable[[object], int], step: Callable[[int], int],
+                     run: Callable[[int], int]) -> tuple[int, list]:
     """Real sockets at the plugin's endpoints: a policy PUB (the daemon's) and a telemetry PULL.
-    `start(pub)` serves until a policy is in force and returns the next forward iteration; then
-    `run(first)` serves on, and every step frame from `first` on comes back decoded."""
+    `start(pub)` serves until a policy is in force and returns the next forward iteration;
+    `step(it)` serves one decode step (repeated until a frame arrives: the plugin's PUSH has
+    connected to this fresh PULL) and returns the next iteration; then `run(first)` serves on and
+    returns the next iteration, and the step frame of every iteration it served comes back decoded."""
     import zmq
 
     from specctl.controller import transport, wire
 
     ctx = zmq.Context.instance()
     pull = transport.telemetry_pull(ctx, settings.telemetry_endpoint)
-    pull.setsockopt(zmq.RCVTIMEO, 2000)
     pub = transport.policy_pub(ctx, settings.policy_endpoint)
     try:
-        first = start(pub)
-        time.sleep(0.2)  # the PUSH reconnects to this fresh PULL
-        while pull.poll(0):
-            pull.recv()
-        run(first)
-        recs = []
-        while pull.poll(200):
-            recs.append(wire.decode_step(pull.recv()))
+        it = start(pub)
+        deadline = time.monotonic() + 60  # a bound on waiting, not a speed
+        while not pull.poll(10):  # frames sent before the PUSH reconnects are dropped (IMMEDIATE)
+            assert time.monotonic() < deadline, "no telemetry frame reached the PULL"
+            it = step(it)
+        first = it
+        end = run(first)
+        recs: dict = {}
+        while len(recs) < end - first:
+            assert pull.poll(60_000), f"telemetry stopped after {len(recs)} of {end - first} frames"
+            r = wire.decode_step(pull.recv())
+            if r.iter >= first:  # not a frame of the steps before
+                assert r.iter not in recs, f"two frames for iteration {r.iter}"
+                recs[r.iter] = r
     finally:
         pull.close(linger=0)
         pub.close(linger=0)
-    return first, [r for r in recs if r.iter >= first]
+    return first, [recs[i] for i in sorted(recs)]
 
 
 def run_decode(worker: EAGLEWorkerV2Standin, processor: ResultProcessorStandin, sizes: list[int], *,

@@ -84,8 +84,13 @@ def test_stale_policy_falls_back_and_a_heartbeat_restores_it():
     eng.offer_policy_frame(frame)
     run_results(eng, 4)
     assert eng.decide(50) == 1
-    clock.t += 10.5
+    clock.t += 9.9
     run_results(eng, 4)
+    assert eng.active_source == "online"  # not before the timeout (10 s)
+    clock.t += 0.6
+    run_results(eng, 3)
+    assert eng.active_source == "online"  # past it, but only a sync boundary changes the table
+    run_results(eng, 1)  # the first boundary after the timeout
     assert eng.active_source == "fallback" and "stale" in eng.fallback_reason
     assert eng.decide(50) == 0
     eng.offer_policy_frame(frame)  # the daemon is back, same policy re-sent

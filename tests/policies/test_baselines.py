@@ -156,6 +156,7 @@ def test_overlap_delays_feedback_by_one_step():
     assert a[:first] == b[:first] and b[first] == a[0] and b[first + 1] == a[first]
 
 
+@pytest.mark.sglang
 def test_port_matches_sglang_when_installed():
     """The port against the real SGLang class on random acceptance streams (needs sglang; run it
     with each `.cache/sglang-<version>/bin/python`). Slot logic and routing must agree exactly."""

@@ -380,6 +380,7 @@ def test_a_huge_garbage_line_is_skipped_not_loaded(tmp_path, monkeypatch):
 
 
 
+@pytest.mark.sglang_sources
 @pytest.mark.parametrize("version", ["0.5.17", "0.5.23"])
 def test_lines_from_sglangs_own_reporter_code(tmp_path, version):
     """report_decode_stats / report_prefill_stats and the switch f-strings, lifted from the wheel
@@ -417,6 +418,7 @@ def test_lines_from_sglangs_own_reporter_code(tmp_path, version):
     assert [(s.config, round(s.step_ms, 2)) for s in samples] == [(OFF, 6.5)]
 
 
+@pytest.mark.sglang_sources
 @pytest.mark.parametrize("version", ["0.5.17", "0.5.23"])
 def test_the_fixture_generator_writes_what_sglang_writes(version):
     real = sglang_real
