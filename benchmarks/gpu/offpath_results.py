@@ -23,7 +23,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from benchlib import parse_policy  # noqa: E402
 
-DECODE_STATE, TRIVIAL = "plugin-fixed:1:s3", "plugin-fixed:1:s3+verify"
+NO_SPEC_POLICY, DECODE_STATE, TRIVIAL = "off", "plugin-fixed:1:s3", "plugin-fixed:1:s3+verify"
 RESYNC, RESYNC_SKIP = "plugin-fixed:5:s3", "plugin-fixed:5:s3+skipde"
 
 

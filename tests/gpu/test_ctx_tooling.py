@@ -1,7 +1,6 @@
 """CPU tests of the context-length tooling of the GPU testbed: the wave runner and profile converter
 (ctx_profile.py) and run_bench.py's alternating short/long workload, against the stand-in server
 benchmarks/gpu/mock/sglang/launch_server.py."""
-import gzip
 import json
 import os
 import subprocess
@@ -15,17 +14,6 @@ import benchlib as B  # noqa: E402
 import prompts as P  # noqa: E402
 
 MOCK = os.path.join(GPU, "mock")
-
-
-def _prompt_files(d):
-    os.makedirs(d, exist_ok=True)
-    with open(os.path.join(d, "mtbench_question.jsonl"), "w") as f:
-        for i in range(12):
-            f.write(json.dumps({"question_id": i, "turns": [f"Write a short note number {i} about the sea."]}) + "\n")
-    with gzip.open(os.path.join(d, "HumanEval.jsonl.gz"), "wt") as f:
-        for i in range(12):
-            f.write(json.dumps({"task_id": f"HumanEval/{i}", "prompt": f"def f{i}(x):\n    '''Return x plus {i}.'''\n"}) + "\n")
-    return d
 
 
 def test_decode_lines_give_the_context_per_request():
@@ -86,7 +74,7 @@ def test_table_flaps_count_speculating_rows_after_plain_decode():
 
 
 @pytest.mark.slow
-def test_ctx_profile_measures_waves_against_the_stand_in_and_converts(tmp_path):
+def test_ctx_profile_measures_waves_against_the_stand_in_and_converts(tmp_path, bench_prompts):
     from specctl.training.simulator import load_profile
 
     out = tmp_path / "out"
@@ -95,7 +83,7 @@ def test_ctx_profile_measures_waves_against_the_stand_in_and_converts(tmp_path):
     (tmp_path / "model" / "config.json").write_text(json.dumps({"max_position_embeddings": 2048}))
     cmd = [sys.executable, os.path.join(GPU, "ctx_profile.py"), "measure", "--model", str(tmp_path / "model"),
            "--draft", "/d", "--out", str(out), "--prompt-tokens", "128,1024", "--levels", "2,4", "--new-tokens", "150",
-           "--rounds", "2", "--prompts", _prompt_files(str(tmp_path / "prompts")), "--tokenizer", "simple",
+           "--rounds", "2", "--prompts", bench_prompts, "--tokenizer", "simple",
            "--deadline-s", "200", "--port0", "33300"]
     r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
@@ -120,14 +108,14 @@ def test_ctx_profile_measures_waves_against_the_stand_in_and_converts(tmp_path):
 
 
 @pytest.mark.slow
-def test_run_bench_alternating_workload_specctl_with_and_without_the_context_axis(tmp_path):
+def test_run_bench_alternating_workload_specctl_with_and_without_the_context_axis(tmp_path, bench_prompts):
     pytest.importorskip("aiohttp")  # run_bench's clients (there: installed with SGLang)
     out = tmp_path / "rb"
     env = dict(os.environ, PYTHONPATH=MOCK + os.pathsep + os.environ.get("PYTHONPATH", ""))
     cmd = [sys.executable, os.path.join(GPU, "run_bench.py"), "--model", str(tmp_path), "--variant", "mock", "--draft", "/d",
            "--policies", "specctl,specctl-noctx", "--levels", "2", "--phase", "--phase-set", "alternating",
            "--long-prompt-tokens", "600", "--interleave", "--phase-repeats", "2", "--phase-scale", "0.1",
-           "--specctl-learn", "2", "--out", str(out), "--prompts", _prompt_files(str(tmp_path / "prompts")),
+           "--specctl-learn", "2", "--out", str(out), "--prompts", bench_prompts,
            "--tokenizer", "simple", "--deadline-s", "300", "--specctl-site", str(tmp_path / "site"), "--new-tokens", "32",
            "--port0", "33500"]
     r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400)

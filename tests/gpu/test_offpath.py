@@ -78,3 +78,37 @@ def test_record_has_the_issue_fields_and_checks_the_targets():
 def test_plugin_threshold_servers_are_named_as_the_threshold_they_run():
     assert O.issue_name("plugin-fixed:5:s3") == "threshold:5:s3"
     assert O.issue_name("off") == "no-spec" and O.issue_name("static:s2") == "static:s2"
+
+
+@pytest.mark.slow
+def test_call_d_runs_end_to_end_against_the_stand_in_and_makes_the_record(tmp_path, bench_prompts):
+    """docs/gpu-testbed.md's call D on the stand-in server (benchmarks/gpu/mock): the no-spec server,
+    the decode state, the trivial verify and the two resync servers; the resync servers are probed and
+    retired, never swept; then offpath_results.py makes the record from its output."""
+    import json
+    import subprocess
+
+    pytest.importorskip("aiohttp")
+    gpu = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "gpu")
+    out = tmp_path / "rb"
+    env = dict(os.environ, PYTHONPATH=os.path.join(gpu, "mock") + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    pols = [O.NO_SPEC_POLICY, O.DECODE_STATE, O.TRIVIAL, O.RESYNC, O.RESYNC_SKIP]
+    cmd = [sys.executable, os.path.join(gpu, "run_bench.py"), "--model", str(tmp_path), "--variant", "mock",
+           "--draft", "/d", "--policies", ",".join(pols), "--levels", "1,4", "--new-tokens", "400",
+           "--req-per-level", "max(2*c,4)", "--interleave", "--repeats", "2", "--identity-c", "1",
+           "--identity-tokens", "24", "--resync", f"{O.RESYNC},{O.RESYNC_SKIP}", "--resync-off-s", "0.5",
+           "--parallel", "5", "--deadline-s", "300", "--out", str(out), "--prompts", bench_prompts,
+           "--tokenizer", "simple", "--specctl-site", str(tmp_path / "site"), "--port0", "34500"]
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    bench = json.load(open(out / "bench-mock.json"))
+    assert set(bench["resync"]) == {O.RESYNC, O.RESYNC_SKIP}
+    for probe in bench["resync"].values():
+        assert probe["fillers"] > 0 and probe["filler_errors"] == 0 and probe["probe_c"] == 4
+    swept = {row["policy"] for row in bench["runs"]}
+    assert swept == {O.NO_SPEC_POLICY, O.DECODE_STATE, O.TRIVIAL}  # the probed servers were retired, not swept
+    assert all(len(row["repeats_tok_s"]) == 2 for row in bench["runs"])
+    rec = O.build([bench], ["call D (stand-in)"])
+    assert [row["concurrency"] for row in rec["step_costs"]] == [1, 4]
+    assert all(row["rounds"] == 2 and row["no_spec_ms"] and row["off_state_ms"] for row in rec["step_costs"])
+    assert rec["identity"]["prompts"] == 16 and rec["resync"]["details"].keys() == bench["resync"].keys()
