@@ -88,7 +88,8 @@ def render(policy: wire.PolicyRecord, *, now: Optional[float] = None) -> str:
     paths = m.get("off_paths") or {}
     if paths:
         said = {"decode": "decode state", "verify": "trivial verify", "unknown": "not said"}
-        lines.append("off steps ran: " + ", ".join(f"{said.get(k, k)} {v:,}" for k, v in sorted(paths.items())))
+        order = sorted(paths, key=lambda k: (list(said).index(k) if k in said else len(said), k))
+        lines.append("off steps ran: " + ", ".join(f"{said.get(k, k)} {paths[k]:,}" for k in order))
     if m.get("fit_error"):
         lines.append("fit error (median rel.): " + ", ".join(
             f"{k} {v:.1%}" for k, v in sorted(m["fit_error"].items(), key=lambda kv: _order(kv[0]))))

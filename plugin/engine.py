@@ -401,9 +401,11 @@ class EngineController:
         else:
             acc = b""
         ms = float(step_ms)
-        tail = b'}' if ctx_tokens is None else b',"ctx_tokens":%d}' % ctx_tokens
-        if off_path is not None and draft_tokens == 1:
+        tail = b'}'
+        if off_path is not None and draft_tokens == 1:  # the wire's field order: ctx_tokens, off_path
             tail = (_OFF_DECODE if off_path == "decode" else _OFF_VERIFY) + tail
+        if ctx_tokens is not None:
+            tail = b',"ctx_tokens":%d' % ctx_tokens + tail
         return b"".join((
             self._prefix, b"%d" % iter, b',"ts":', repr(float(ts)).encode(),
             b',"batch_size":%d' % batch_size, frag, acc,

@@ -194,10 +194,16 @@ def test_step_record_is_exactly_the_wire_encoding():
         dict(iter=18234, ts=1764441600.125, batch_size=4, draft_tokens=4, accepted=[3, 1, 0, 2], step_ms=11.8),
         dict(iter=1, ts=1764441600.0, batch_size=2, draft_tokens=1, accepted=[0, 0], step_ms=6.25),
         dict(iter=5, ts=1764441601.5, batch_size=1, draft_tokens=4, accepted=[3], step_ms=9.0, ctx_tokens=512),
+        dict(iter=6, ts=1764441601.5, batch_size=3, draft_tokens=1, accepted=None, step_ms=6.0, off_path="decode"),
+        dict(iter=7, ts=1764441601.5, batch_size=3, draft_tokens=1, accepted=None, step_ms=6.0, ctx_tokens=900,
+             off_path="verify"),
+        # a speculating step says no off path, whatever the caller passed
+        dict(iter=8, ts=1764441601.5, batch_size=1, draft_tokens=4, accepted=[1], step_ms=9.0, off_path="decode"),
     ]
     for c in cases:
         frame = eng.step_record(**c)
         rec = wire.decode_step(frame)
+        assert rec.off_path == (c.get("off_path") if c["draft_tokens"] == 1 else None)
         assert frame == wire.encode(rec)
         assert rec.config.steps == c["draft_tokens"] - 1 if c["draft_tokens"] > 1 else rec.config.steps == 0
         assert rec.rank == 2 and rec.server == 'srv "7"'

@@ -279,6 +279,7 @@ def test_telemetry_frames_attribute_each_step_to_the_width_that_produced_it(serv
         assert r.server == "cpu-test" and r.rank == 0 and r.step_ms > 0
         if steps:
             assert r.accepted == accept_all(r.iter, bs, steps)
+        assert r.off_path == (None if steps else "verify")  # no decode state on these stand-ins
         assert t_before <= r.ts <= t_after  # the wall-clock time of the step
 
 
