@@ -43,4 +43,7 @@ settings = PluginSettings(telemetry_endpoint=None, policy_endpoint=None)
 rt = sglang_hooks.PluginRuntime(settings, tp_group_fn=lambda: tp)
 rt.tp_group = tp
 rt.build_plain(worker)
+import torch.distributed as dist  # noqa: E402
+
+dist.barrier(group=tp.cpu_group)  # neither rank leaves the group while the other still uses it
 (outdir / f"plain-rank{rank}.json").write_text(json.dumps({"rank": rank, "built": rt.plain is not None}))
