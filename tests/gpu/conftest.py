@@ -19,3 +19,25 @@ def bench_prompts(tmp_path):
         for i in range(12):
             f.write(json.dumps({"task_id": f"HumanEval/{i}", "prompt": f"def f{i}(x):\n    '''Return x plus {i}.'''\n"}) + "\n")
     return d
+
+
+@pytest.fixture
+def port0():
+    """A `--port0` for run_bench.py / ctx_profile.py (servers on port0 + 10 k, k < 10) below the
+    kernel's ephemeral range (32768+ here), where a client connection's source port can take a fixed
+    port between the check and the server's bind; each xdist worker its own 2000 ports."""
+    import random
+    import socket
+
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
+    idx = int(worker[2:]) if worker[2:].isdigit() else 0
+    for _ in range(50):
+        base = 20000 + 2000 * (idx % 6) + 100 * random.randrange(20)
+        try:
+            for k in range(10):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", base + 10 * k))
+            return str(base)
+        except OSError:
+            continue
+    raise RuntimeError("no free block of ports below the ephemeral range")

@@ -74,7 +74,7 @@ def test_table_flaps_count_speculating_rows_after_plain_decode():
 
 
 @pytest.mark.slow
-def test_ctx_profile_measures_waves_against_the_stand_in_and_converts(tmp_path, bench_prompts):
+def test_ctx_profile_measures_waves_against_the_stand_in_and_converts(tmp_path, bench_prompts, port0):
     from specctl.training.simulator import load_profile
 
     out = tmp_path / "out"
@@ -84,7 +84,7 @@ def test_ctx_profile_measures_waves_against_the_stand_in_and_converts(tmp_path, 
     cmd = [sys.executable, os.path.join(GPU, "ctx_profile.py"), "measure", "--model", str(tmp_path / "model"),
            "--draft", "/d", "--out", str(out), "--prompt-tokens", "128,1024", "--levels", "2,4", "--new-tokens", "150",
            "--rounds", "2", "--prompts", bench_prompts, "--tokenizer", "simple",
-           "--deadline-s", "200", "--port0", "33300"]
+           "--deadline-s", "200", "--port0", port0]
     r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     steps = json.load(open(out / "ctx-steps.json"))
@@ -108,7 +108,7 @@ def test_ctx_profile_measures_waves_against_the_stand_in_and_converts(tmp_path, 
 
 
 @pytest.mark.slow
-def test_run_bench_alternating_workload_specctl_with_and_without_the_context_axis(tmp_path, bench_prompts):
+def test_run_bench_alternating_workload_specctl_with_and_without_the_context_axis(tmp_path, bench_prompts, port0):
     pytest.importorskip("aiohttp")  # run_bench's clients (there: installed with SGLang)
     out = tmp_path / "rb"
     env = dict(os.environ, PYTHONPATH=MOCK + os.pathsep + os.environ.get("PYTHONPATH", ""))
@@ -117,7 +117,7 @@ def test_run_bench_alternating_workload_specctl_with_and_without_the_context_axi
            "--long-prompt-tokens", "600", "--interleave", "--phase-repeats", "2", "--phase-scale", "0.1",
            "--specctl-learn", "2", "--out", str(out), "--prompts", bench_prompts,
            "--tokenizer", "simple", "--deadline-s", "300", "--specctl-site", str(tmp_path / "site"), "--new-tokens", "32",
-           "--port0", "33500"]
+           "--port0", port0]
     r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     res = json.load(open(out / "bench-mock.json"))

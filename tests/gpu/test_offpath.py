@@ -81,7 +81,7 @@ def test_plugin_threshold_servers_are_named_as_the_threshold_they_run():
 
 
 @pytest.mark.slow
-def test_call_d_runs_end_to_end_against_the_stand_in_and_makes_the_record(tmp_path, bench_prompts):
+def test_call_d_runs_end_to_end_against_the_stand_in_and_makes_the_record(tmp_path, bench_prompts, port0):
     """docs/gpu-testbed.md's call D on the stand-in server (benchmarks/gpu/mock): the no-spec server,
     the decode state, the trivial verify and the two resync servers; the resync servers are probed and
     retired, never swept; then offpath_results.py makes the record from its output."""
@@ -98,7 +98,7 @@ def test_call_d_runs_end_to_end_against_the_stand_in_and_makes_the_record(tmp_pa
            "--req-per-level", "max(2*c,4)", "--interleave", "--repeats", "2", "--identity-c", "1",
            "--identity-tokens", "24", "--resync", f"{O.RESYNC},{O.RESYNC_SKIP}", "--resync-off-s", "0.5",
            "--parallel", "5", "--deadline-s", "300", "--out", str(out), "--prompts", bench_prompts,
-           "--tokenizer", "simple", "--specctl-site", str(tmp_path / "site"), "--port0", "34500"]
+           "--tokenizer", "simple", "--specctl-site", str(tmp_path / "site"), "--port0", port0]
     r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     bench = json.load(open(out / "bench-mock.json"))
