@@ -9,6 +9,8 @@
 #        once (POLS0 on GPU 0, POLS1 on GPU 1), each packed to $OUT/g<N>.tgz + $OUT/bench-g<N>.json
 #   bash benchmarks/gpu/device_call.sh checks C0 C1   2 GPUs: specctl_e2e.py subcommands (identity, online,
 #        overhead; comma lists, "-" = none) on GPU 0 and GPU 1 at once -> $OUT/checks-g<N>.tgz + the JSONs
+#   bash benchmarks/gpu/device_call.sh gate [N]   exit 3 unless the last sweep2 on GPU N built the decode state in some
+#        server and no server logged it off (start an expensive call with it: a broken build costs seconds, not a call)
 #   bash benchmarks/gpu/device_call.sh ctxprofile [ctx_profile.py measure args]   decode steps of off / s1 / s3 at
 #        two or more prompt lengths -> $OUT/ctx-steps.json, $OUT/profile-ctx.json, $OUT/ctx-logs.tgz
 set -uo pipefail
@@ -57,6 +59,9 @@ case $step in
       [ -f $OUT/g$g.log ] || continue
       grep -v "Decode batch" $OUT/g$g.log | grep -E "^\[|Error|error" | tail -30
       cp $OUT/g$g/bench-*.json $OUT/bench-g$g.json 2>/dev/null; mv $OUT/g$g.log $OUT/g$g/run.log
+      # what the decode state did in this sweep's servers, for a later call's `gate` (kept while the machine is warm)
+      grep -rhoE "specctl: (decode state built[^;]*|decode state OFF.*|no decode state.*|decode state step failed)" \
+        $OUT/g$g --include='*.log' | sort | uniq -c > /tmp/specctl-gate-g$g.txt
       tar czf $OUT/g$g.tgz -C $OUT g$g && rm -rf $OUT/g$g
     done ;;
   ctxprofile)
@@ -83,5 +88,11 @@ case $step in
       for f in identity overhead online; do [ -f $OUT/c$g/$f.json ] && cp $OUT/c$g/$f.json $OUT/; done
       mv $OUT/c$g.log $OUT/c$g/run.log; tar czf $OUT/checks-g$g.tgz -C $OUT c$g && rm -rf $OUT/c$g
     done ;;
+  gate)  # before an expensive call: the last sweep's servers built the decode state and no step turned it off
+    f=/tmp/specctl-gate-g${1:-0}.txt; [ -f $f ] || { echo "GATE: no earlier sweep on this machine"; exit 3; }
+    cat $f
+    grep -q "decode state built" $f || { echo "GATE: no server built the decode state"; exit 3; }
+    ! grep -qE "decode state OFF|no decode state|step failed" $f || { echo "GATE: the decode state failed"; exit 3; }
+    echo "GATE: ok" ;;
   *) echo "unknown step $step"; exit 2 ;;
 esac
