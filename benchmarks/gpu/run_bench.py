@@ -207,7 +207,9 @@ async def phase_loop(port, pools, phases, new, seed=0):
 
 
 async def traced_request(session, port, ids, new, trace):
-    """Streaming /generate with ignore_eos: every chunk's (completion_tokens, spec_verify_ct) into trace."""
+    """Streaming /generate with ignore_eos: every chunk's completion_tokens into trace; the last entry is
+    (completion_tokens, spec_verify_ct) of the finished request (SGLang 0.5.17 reports spec_verify_ct only
+    when a request finishes: tokenizer_manager's _calculate_spec_decoding_metrics)."""
     body = {"input_ids": ids, "sampling_params": {"temperature": 0, "max_new_tokens": new, "ignore_eos": True},
             "stream": True}
     async with session.post(f"http://127.0.0.1:{port}/generate", json=body) as r:
@@ -217,46 +219,62 @@ async def traced_request(session, port, ids, new, trace):
                 continue
             m = json.loads(line[5:].strip()).get("meta_info", {})
             if m.get("completion_tokens") is not None:
-                trace.append((m["completion_tokens"], m.get("spec_verify_ct") or 0))
+                trace.append((m["completion_tokens"], m.get("spec_verify_ct")))
 
 
-def tail_accept(traces, from_tokens):
-    """Accept length (tokens per verify step) of each trace from its first point at >= from_tokens[i] tokens
-    to its end, pooled: sum of tokens / sum of verify steps over those windows."""
-    tok = ver = 0
-    for tr, start in zip(traces, from_tokens):
-        first = next((p for p in tr if p[0] >= start), None)
-        if first is None or not tr:
+def log_accept(text, running, min_tokens):
+    """Mean `accept len` of SGLang's Decode-batch lines with exactly `running` requests holding at least
+    min_tokens KV tokens (#token), and how many lines that is: the accept length at those positions."""
+    from benchlib import R_ACC, R_RUN, R_TOK
+    acc = []
+    for ln in text.splitlines():
+        if "Decode batch" not in ln:
             continue
-        tok += tr[-1][0] - first[0]
-        ver += tr[-1][1] - first[1]
+        a, b, t = R_RUN.search(ln), R_ACC.search(ln), R_TOK.search(ln)
+        if a and b and t and int(a.group(1)) == running and int(t.group(1)) >= min_tokens:
+            acc.append(float(b.group(1)))
+    return (round(sum(acc) / len(acc), 4) if acc else None), len(acc)
+
+
+def _read_from(path, offset):
+    with open(path, errors="replace") as f:
+        f.seek(offset)
+        return f.read()
+
+
+def _whole_accept(traces):
+    """Tokens per verify step over whole requests (their final stream chunks)."""
+    tok = sum(tr[-1][0] for tr in traces if tr and tr[-1][1])
+    ver = sum(tr[-1][1] for tr in traces if tr and tr[-1][1])
     return round(tok / ver, 4) if ver else None
 
 
-async def resync_probe(port, probes, fillers, *, probe_tokens=5120, tail_tokens=700, off_s=30.0, filler_c=60,
-                       filler_tokens=128):
+async def resync_probe(port, log_path, probes, fillers, *, probe_tokens=2400, off_s=30.0, filler_c=60,
+                       filler_tokens=128, min_tail=200):
     """Does the draft stay in sync across a long plain-decode stretch? On a threshold:5 server (speculating
     below batch 5): (1) the 4 probe prompts alone (c=4, speculating throughout) for probe_tokens each, ignore_eos:
     the reference; (2) the same 4 probes again, now beside filler_c closed-loop fillers (batch 64: plain decode)
-    until >= off_s have passed and every probe is within tail_tokens of its end; the fillers then stop and drain,
-    and the probes finish speculating at c=4. accept_before / accept_after = tokens per verify step over the probes'
-    last positions (the same positions in both runs: from where run 2's tail began)."""
+    for off_s; the fillers then stop and drain, and the probes finish speculating at c=4 (the tail).
+    accept_before / accept_after: the mean accept length of the server's Decode-batch lines at exactly 4 running
+    requests holding at least T0 KV tokens, T0 = the probes' prompts + their tokens where the tail began: the same
+    positions in both runs (greedy, so the same tokens). The log, not the stream: SGLang reports a request's
+    verify count only when it finishes. A probe that finished during the plain stretch, or a tail shorter than
+    min_tail tokens, leaves the figures None (say why in `invalid`)."""
     import aiohttp
+    await asyncio.sleep(0.5)
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=900)) as s:
         ref = [[] for _ in probes]
-        t0 = time.time()
+        off0, t0 = os.path.getsize(log_path), time.time()
         await asyncio.gather(*[traced_request(s, port, p["ids"], probe_tokens, tr) for p, tr in zip(probes, ref)])
         ref_s = time.time() - t0
+        await asyncio.sleep(0.5)  # the reference's last log lines
+        ref_text = _read_from(log_path, off0)
         run = [[] for _ in probes]
         t0 = time.time()
         probe_tasks = [asyncio.ensure_future(traced_request(s, port, p["ids"], probe_tokens, tr))
                        for p, tr in zip(probes, run)]
         out, idx, inflight = [], 0, set()
-
-        def probes_near_end():
-            return all(tr and tr[-1][0] >= probe_tokens - tail_tokens for tr in run)
-
-        while not (time.time() - t0 >= off_s and probes_near_end()) and not all(t.done() for t in probe_tasks):
+        while time.time() - t0 < off_s and not any(t.done() for t in probe_tasks):
             while len(inflight) < filler_c:
                 item = fillers[idx % len(fillers)]
                 idx += 1
@@ -265,12 +283,27 @@ async def resync_probe(port, probes, fillers, *, probe_tokens=5120, tail_tokens=
                 task.add_done_callback(inflight.discard)
             await asyncio.sleep(0.01)
         off_stretch_s = time.time() - t0
+        tail_from = [tr[-1][0] if tr else 0 for tr in run]
         if inflight:
             await asyncio.gather(*inflight)
-        tail_from = [tr[-1][0] if tr else probe_tokens for tr in run]
+        tail_off = os.path.getsize(log_path)
         await asyncio.gather(*probe_tasks)
-    return {"accept_before": tail_accept(ref, tail_from), "accept_after": tail_accept(run, tail_from),
-            "tail_from_tokens": tail_from, "probe_tokens": probe_tokens, "off_stretch_s": round(off_stretch_s, 1),
+        await asyncio.sleep(0.5)
+        run_text = _read_from(log_path, tail_off)
+    invalid = None
+    if any(t >= probe_tokens for t in tail_from):
+        invalid = "a probe finished during the plain-decode stretch (raise probe_tokens)"
+    elif probe_tokens - max(tail_from) < min_tail:
+        invalid = f"a tail shorter than {min_tail} tokens (raise probe_tokens)"
+    t0_tokens = sum(len(p["ids"]) for p in probes) + sum(tail_from)
+    before, n_before = log_accept(ref_text, len(probes), t0_tokens)
+    after, n_after = log_accept(run_text, len(probes), t0_tokens)
+    if invalid:
+        before = after = None
+    return {"accept_before": before, "accept_after": after, "lines_before": n_before, "lines_after": n_after,
+            "invalid": invalid, "tail_from_tokens": tail_from, "window_min_kv_tokens": t0_tokens,
+            "probe_tokens": probe_tokens, "whole_request_accept_before": _whole_accept(ref),
+            "whole_request_accept_after": _whole_accept(run), "off_stretch_s": round(off_stretch_s, 1),
             "fillers": len(out), "filler_errors": sum(1 for o in out if "error" in o), "reference_s": round(ref_s, 1),
             "probe_c": len(probes), "filler_c": filler_c}
 
@@ -328,7 +361,10 @@ def main():
     ap.add_argument("--identity-tokens", type=int, default=64, help="new tokens per identity prompt (16 prompts)")
     ap.add_argument("--resync", default="", help="comma list of policies (threshold:5-like, speculating at c=4, "
                                                  "off at c=64) to run resync_probe on, before anything else")
-    ap.add_argument("--resync-off-s", type=float, default=30.0)
+    ap.add_argument("--resync-off-s", type=float, default=30.0, help="the plain-decode stretch of the resync probe (s)")
+    ap.add_argument("--resync-probe-tokens", type=int, default=2400,
+                    help="tokens per resync probe: enough that every probe outlives the plain stretch (at ~25 ms a "
+                         "step at batch 64, 30 s is ~1200 tokens) and keeps a tail of >= 200 tokens")
     ap.add_argument("--accept-eval", action="store_true", help="all MT-Bench turn-1 / HumanEval prompts at c=16, per spec policy")
     ap.add_argument("--accept-tokens", type=int, default=320)
     ap.add_argument("--phase-scale", type=float, default=1.0, help="multiply phase durations")
@@ -517,7 +553,8 @@ def main():
         try:
             for sv in live:
                 if sv["policy"] in a.resync.split(","):
-                    r = asyncio.run(resync_probe(sv["port"], mixed[:4], mixed[16:], off_s=a.resync_off_s))
+                    r = asyncio.run(resync_probe(sv["port"], sv["log"], mixed[:4], mixed[16:], off_s=a.resync_off_s,
+                                                 probe_tokens=a.resync_probe_tokens))
                     result.setdefault("resync", {})[sv["policy"]] = r
                     log(f"{sv['policy']} resync: {r}")
             for sv in live:
@@ -567,6 +604,7 @@ def main():
         log("phase runs, specctl ÷ specctl-noctx:", result["phase_pairs"])
     outputs = result["identity"]
     result["identity"] = identity_report(outputs)
+    result["identity_ids"] = outputs  # every policy's greedy output ids: where two part, and to what
     trees = sorted({p for p in outputs if p.startswith("static:") and parse_policy(p)["config"][1] > 1})
     for ref in trees:  # a tree's own greedy outputs: what specctl:TREE and threshold:T:TREE should reproduce
         result[f"identity_vs_{ref}"] = identity_report(outputs, ref)

@@ -30,14 +30,24 @@ def test_verify_suffix_needs_the_plugin(pol):
         B.parse_policy(pol)
 
 
-def test_tail_accept_pools_the_same_windows():
+def test_log_accept_reads_the_lines_at_the_probes_positions():
+    """The resync probe's window: Decode-batch lines at exactly 4 running requests holding >= N KV tokens."""
     import run_bench as RB
-    a = [(0, 0), (100, 50), (200, 80), (300, 100)]
-    b = [(0, 0), (150, 100), (300, 200)]
-    # from 200 tokens: a gives (300-200)/(100-80); b's first point at >= 200 is 300: an empty window
-    assert RB.tail_accept([a, b], [200, 200]) == pytest.approx(100 / 20)
-    assert RB.tail_accept([a, b], [100, 150]) == pytest.approx((200 + 150) / (50 + 100), abs=1e-4)
-    assert RB.tail_accept([a], [400]) is None and RB.tail_accept([[]], [0]) is None
+    line = "[x] Decode batch, #running-req: {n}, #token: {t}, token usage: 0.01, accept len: {a}, gen throughput (token/s): 9.0"
+    text = "\n".join([line.format(n=4, t=900, a="1.20"), line.format(n=64, t=9000, a="1.00"),
+                      line.format(n=4, t=1000, a="1.80"), "Prefill batch, #running-req: 4, #token: 5000",
+                      line.format(n=4, t=1400, a="2.00"), line.format(n=5, t=1500, a="3.00")])
+    assert RB.log_accept(text, 4, 1000) == (1.9, 2)
+    assert RB.log_accept(text, 4, 0) == (pytest.approx(5.0 / 3, abs=1e-4), 3)
+    assert RB.log_accept(text, 4, 2000) == (None, 0)
+    assert RB.log_accept("[x] Decode batch, #running-req: 4, #token: 1200, gen throughput (token/s): 9.0", 4, 0) == (None, 0)
+
+
+def test_whole_request_accept_reads_the_final_chunks():
+    import run_bench as RB
+    # the stream's chunks carry no verify count until the request finishes (SGLang 0.5.17)
+    assert RB._whole_accept([[(8, None), (16, None), (24, 12)], [(8, None), (32, 16)]]) == pytest.approx(56 / 28)
+    assert RB._whole_accept([[(8, None)]]) is None and RB._whole_accept([[]]) is None
 
 
 def _row(pol, c, steps, tok_s=1000.0):
@@ -97,6 +107,7 @@ def test_call_d_runs_end_to_end_against_the_stand_in_and_makes_the_record(tmp_pa
            "--draft", "/d", "--policies", ",".join(pols), "--levels", "1,4", "--new-tokens", "400",
            "--req-per-level", "max(2*c,4)", "--interleave", "--repeats", "2", "--identity-c", "1",
            "--identity-tokens", "24", "--resync", f"{O.RESYNC},{O.RESYNC_SKIP}", "--resync-off-s", "0.5",
+           "--resync-probe-tokens", "8000",
            "--parallel", "5", "--deadline-s", "300", "--out", str(out), "--prompts", bench_prompts,
            "--tokenizer", "simple", "--specctl-site", str(tmp_path / "site"), "--port0", port0]
     r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400)
@@ -105,6 +116,10 @@ def test_call_d_runs_end_to_end_against_the_stand_in_and_makes_the_record(tmp_pa
     assert set(bench["resync"]) == {O.RESYNC, O.RESYNC_SKIP}
     for probe in bench["resync"].values():
         assert probe["fillers"] > 0 and probe["filler_errors"] == 0 and probe["probe_c"] == 4
+        assert probe["invalid"] is None and probe["lines_before"] > 0 and probe["lines_after"] > 0
+        assert probe["accept_before"] == probe["accept_after"] == 2.5  # the stand-in's s3 accept length
+        assert 0 < max(probe["tail_from_tokens"]) < 8000 - 200
+    assert set(bench["identity_ids"]) == set(pols)
     swept = {row["policy"] for row in bench["runs"]}
     assert swept == {O.NO_SPEC_POLICY, O.DECODE_STATE, O.TRIVIAL}  # the probed servers were retired, not swept
     assert all(len(row["repeats_tok_s"]) == 2 for row in bench["runs"])

@@ -2,7 +2,7 @@
 #   PYTHONPATH=benchmarks/gpu/mock python3 benchmarks/gpu/run_bench.py --model <dir with a tokenizer> ...
 # Serves /health and /generate (streaming or not) with fake tokens and prints SGLang-style Decode-batch lines.
 # A step takes longer the more context its requests hold (#token counts the running requests' prompts and
-# tokens so far), and longer with speculation: enough physics for the context-profile tooling's tests.
+# streamed tokens so far), and longer with speculation: enough physics for the context-profile tooling's tests.
 import sys, json, time, threading, random
 from http.server import ThreadingHTTPServer, BaseHTTPRequestHandler
 args = sys.argv[1:]
@@ -32,12 +32,19 @@ class H(BaseHTTPRequestHandler):
         new = body["sampling_params"]["max_new_tokens"]; ids = [sum(body["input_ids"]) % 1000 + i for i in range(new)]
         with lock: state["running"] += 1; state["tokens"] += len(body["input_ids"])
         vct = new if not spec else int(new / (1 + steps * 0.5)) + 1
+        grown = 0  # the tokens this request has added to #token so far
         try:
             if body.get("stream"):
                 self.send_response(200); self.send_header("Content-Type", "text/event-stream"); self.end_headers()
                 for i in range(0, new, 8):
                     time.sleep(0.002)
-                    o = {"text": "x", "output_ids": ids[i:i + 8], "meta_info": {"completion_tokens": min(new, i + 8), "spec_verify_ct": vct if spec else None}}
+                    n_i = min(new, i + 8)
+                    with lock: state["tokens"] += n_i - grown
+                    grown = n_i
+                    meta = {"completion_tokens": n_i}
+                    if n_i == new and spec:  # as 0.5.17: the verify count only once the request has finished
+                        meta["spec_verify_ct"] = vct
+                    o = {"text": "x", "output_ids": ids[i:i + 8], "meta_info": meta}
                     self.wfile.write(f"data: {json.dumps(o)}\n\n".encode()); self.wfile.flush()
                 self.wfile.write(b"data: [DONE]\n\n")
             else:
@@ -52,6 +59,7 @@ class H(BaseHTTPRequestHandler):
                 o = json.dumps({"text": "x", "output_ids": ids, "meta_info": meta}).encode()
                 self.send_response(200); self.send_header("Content-Type", "application/json"); self.send_header("Content-Length", str(len(o))); self.end_headers(); self.wfile.write(o)
         finally:
-            with lock: state["running"] -= 1; state["tokens"] -= len(body["input_ids"])
+            with lock: state["running"] -= 1; state["tokens"] -= len(body["input_ids"]) + grown
 time.sleep(1)
+ThreadingHTTPServer.request_queue_size = 256  # a listen backlog for 64+ clients at once (the default 5 stalls them)
 ThreadingHTTPServer(("127.0.0.1", port), H).serve_forever()
