@@ -308,6 +308,54 @@ async def resync_probe(port, log_path, probes, fillers, *, probe_tokens=2400, of
             "probe_c": len(probes), "filler_c": filler_c}
 
 
+def profile_server(port, out_dir, name, c, items, steps=40, new_tokens=512, wait_s=120.0):
+    """A torch profile of `steps` forward steps of one server under a closed loop at concurrency c (SGLang's
+    /start_profile: CPU + GPU activities, no stacks or shapes), reduced here by trace_steps.py to
+    OUT/prof-<name>-c<c>.json; the raw trace (tens of MB) is deleted. The reduction, or {"error": ...}."""
+    import glob
+    import threading
+
+    import trace_steps
+    d = os.path.join(out_dir, f"trace-{name}-c{c}")
+    os.makedirs(d, exist_ok=True)
+    stop = threading.Event()
+
+    def load():
+        while not stop.is_set():
+            asyncio.run(closed_loop(port, items, c, c, new_tokens))
+
+    th = threading.Thread(target=load, daemon=True)
+    th.start()
+    res: dict = {"label": f"{name} c={c}"}
+    try:
+        time.sleep(3.0)  # every request in its decode phase
+        http(port, "/start_profile", {"output_dir": d, "num_steps": steps, "activities": ["CPU", "GPU"],
+                                      "with_stack": False, "record_shapes": False, "profile_id": f"{name}-c{c}"}, t=60)
+        t0, last = time.time(), -1
+        while time.time() - t0 < wait_s:
+            got = glob.glob(os.path.join(d, "*.trace.json*"))
+            size = sum(os.path.getsize(x) for x in got)
+            if got and size == last:  # written and no longer growing
+                break
+            last = size
+            time.sleep(2.0)
+        got = sorted(glob.glob(os.path.join(d, "*.trace.json*")))
+        if not got:
+            res["error"] = f"no trace in {wait_s:.0f} s"
+        else:
+            res = trace_steps.reduce_events(trace_steps.load(got[0]), res["label"])
+            res["trace_bytes"] = os.path.getsize(got[0])
+    except Exception as e:  # noqa: BLE001 - a failed profile costs its row, not the call
+        res["error"] = repr(e)[:300]
+    finally:
+        stop.set()
+        th.join(timeout=120)
+        shutil.rmtree(d, ignore_errors=True)
+    with open(os.path.join(out_dir, f"prof-{name}-c{c}.json"), "w") as f:
+        json.dump(res, f, indent=1)
+    return res
+
+
 def finish_plugin_run(sv, srv, out):
     """Stop the daemon; keep every policy version, audit the decision log against them, count SGLang's
     own switch lines; pack the telemetry recording."""
@@ -361,6 +409,9 @@ def main():
     ap.add_argument("--identity-tokens", type=int, default=64, help="new tokens per identity prompt (16 prompts)")
     ap.add_argument("--resync", default="", help="comma list of policies (threshold:5-like, speculating at c=4, "
                                                  "off at c=64) to run resync_probe on, before anything else")
+    ap.add_argument("--profile", default="", help="comma list of POLICY@C: a torch profile of that server at "
+                                                 "concurrency C after its warm-up, reduced by trace_steps.py")
+    ap.add_argument("--profile-steps", type=int, default=40, help="forward steps per profile")
     ap.add_argument("--resync-off-s", type=float, default=30.0, help="the plain-decode stretch of the resync probe (s)")
     ap.add_argument("--resync-probe-tokens", type=int, default=2400,
                     help="tokens per resync probe: enough that every probe outlives the plain stretch (at ~25 ms a "
@@ -562,6 +613,15 @@ def main():
             for sv in [sv for sv in live if sv["policy"] in a.resync.split(",")]:  # probed only: gone
                 retire(sv)
             live = [sv for sv in live if not sv.get("retired")]
+            for spec in (x for x in a.profile.split(",") if x):
+                pol, c = spec.rsplit("@", 1)
+                for sv in (sv for sv in live if sv["policy"] == pol):
+                    if time.time() > deadline - 150:
+                        log("deadline: no profile", spec)
+                        break
+                    r = profile_server(sv["port"], a.out, pol.replace(":", "_"), int(c), mixed, a.profile_steps)
+                    result.setdefault("profiles", {})[spec] = r
+                    log(f"profile {spec}:", json.dumps({k: r.get(k) for k in ("steps", "median", "error") if k in r}))
             if a.interleave and a.phase_first:
                 phase_rounds(live)
             if a.interleave:

@@ -29,6 +29,19 @@ class H(BaseHTTPRequestHandler):
         self.send_response(200); self.end_headers(); self.wfile.write(b"ok")
     def do_POST(self):
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        if self.path == "/start_profile":  # a small chrome trace of body["num_steps"] decode steps, as SGLang writes it
+            import gzip, os
+            ev = []
+            for k in range(body.get("num_steps") or 5):
+                t = 10000 * k
+                ev += [{"ph": "X", "cat": "user_annotation", "name": "step[DECODE bs=4]", "ts": t, "dur": 1000, "pid": 1, "tid": 7},
+                       {"ph": "X", "cat": "cuda_runtime", "name": "cudaGraphLaunch", "ts": t + 100, "dur": 5, "pid": 1, "tid": 7, "args": {"correlation": k}},
+                       {"ph": "X", "cat": "kernel", "name": "decode_kernel", "ts": t + 500, "dur": 6000, "pid": 0, "tid": 9, "args": {"correlation": k}}]
+            path = os.path.join(body["output_dir"], f"{body.get('profile_id', 'p')}-TP-0.trace.json.gz")
+            with gzip.open(path, "wt") as f:
+                json.dump({"traceEvents": ev}, f)
+            self.send_response(200); self.end_headers(); self.wfile.write(b"Start profiling.\n")
+            return
         new = body["sampling_params"]["max_new_tokens"]; ids = [sum(body["input_ids"]) % 1000 + i for i in range(new)]
         with lock: state["running"] += 1; state["tokens"] += len(body["input_ids"])
         vct = new if not spec else int(new / (1 + steps * 0.5)) + 1

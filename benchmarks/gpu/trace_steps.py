@@ -1,0 +1,156 @@
+"""Reduce a torch-profiler chrome trace of an SGLang server to what one decode step costs, where (THERE: a
+trace is tens of MB, its reduction a few KB):
+
+  python3 benchmarks/gpu/trace_steps.py TRACE.json[.gz] OUT.json [--label L]
+
+A step is the span from one target forward's `step[DECODE bs=N]` / `step[TARGET_VERIFY bs=N]` annotation
+(SGLang's build_step_span_name, on the scheduler thread) to the next. Per step:
+  - GPU: the window from the first GPU op launched inside target forward k to the first of k+1, the time the
+    GPU was busy in it (union of kernel / memcpy / memset intervals) and idle, the number of GPU ops;
+  - CPU (the scheduler thread): the wall between the two annotations, the time inside synchronising runtime
+    calls (…Synchronize, blocking cudaMemcpy), kernel and graph launches;
+  - where the scheduler's time goes: inclusive time per user annotation (scheduler.run_batch, draft_extend, …)
+    and per CPU op name; the GPU's top kernels.
+Steps whose window holds a prefill (an EXTEND annotation) are left out. Medians over the steps kept.
+"""
+from __future__ import annotations
+
+import argparse
+import bisect
+import collections
+import gzip
+import json
+import re
+import statistics as st
+from typing import Any
+
+STEP_RE = re.compile(r"^step\[(\w+)(?: bs=(\d+))?")
+TARGET_MODES = ("DECODE", "TARGET_VERIFY")
+GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
+RUNTIME_CATS = ("cuda_runtime", "cuda_driver")
+
+
+def _is_sync(name: str) -> bool:
+    return "Synchronize" in name or name in ("cudaMemcpy", "cuMemcpyDtoH_v2", "cuMemcpyHtoD_v2")
+
+
+def _is_launch(name: str) -> bool:
+    return "LaunchKernel" in name or name.startswith("cuLaunch")
+
+
+def _union_ms(intervals: list[tuple[float, float]]) -> float:
+    total, end = 0.0, None
+    for a, b in sorted(intervals):
+        if end is None or a > end:
+            total += b - a
+            end = b
+        elif b > end:
+            total += b - end
+            end = b
+    return total / 1000.0
+
+
+def _med(xs: list[float]) -> float | None:
+    return round(st.median(xs), 4) if xs else None
+
+
+def load(path: str) -> list[dict]:
+    with (gzip.open if path.endswith(".gz") else open)(path, "rt") as f:
+        tr = json.load(f)
+    return tr["traceEvents"] if isinstance(tr, dict) else tr
+
+
+def reduce_events(events: list[dict], label: str = "") -> dict[str, Any]:
+    X = [e for e in events if e.get("ph") == "X" and "ts" in e and "dur" in e]
+    tkey = lambda e: (e.get("pid"), e.get("tid"))  # noqa: E731
+    ann = [e for e in X if e.get("cat") == "user_annotation"]
+    steps = [e for e in ann if STEP_RE.match(e.get("name", ""))]
+    target = [e for e in steps if STEP_RE.match(e["name"]).group(1) in TARGET_MODES]
+    res: dict[str, Any] = {"label": label, "events": len(events),
+                           "step_spans": dict(collections.Counter(STEP_RE.match(e["name"]).group(0) + "]" for e in steps))}
+    if len(target) < 2:
+        res["error"] = "fewer than two target-forward step spans"
+        return res
+    sched = collections.Counter(tkey(e) for e in target).most_common(1)[0][0]
+    target = sorted((e for e in target if tkey(e) == sched), key=lambda e: e["ts"])
+    extend = sorted(e["ts"] for e in steps if tkey(e) == sched and STEP_RE.match(e["name"]).group(1) == "EXTEND")
+    rt = sorted((e for e in X if e.get("cat") in RUNTIME_CATS and tkey(e) == sched), key=lambda e: e["ts"])
+    rt_ts = [e["ts"] for e in rt]
+    gpu = sorted((e for e in X if e.get("cat") in GPU_CATS), key=lambda e: e["ts"])
+    gpu_by_corr = {}
+    for g in gpu:
+        cid = (g.get("args") or {}).get("correlation")
+        if cid is not None:
+            gpu_by_corr.setdefault(cid, g)
+    # the GPU anchor of each target forward: the first GPU op launched from inside its span
+    anchors = []
+    for s in target:
+        a, b = bisect.bisect_left(rt_ts, s["ts"]), bisect.bisect_right(rt_ts, s["ts"] + s["dur"])
+        starts = [gpu_by_corr[c]["ts"] for c in ((e.get("args") or {}).get("correlation") for e in rt[a:b])
+                  if c in gpu_by_corr]
+        anchors.append(min(starts) if starts else None)
+    gpu_ts = [g["ts"] for g in gpu]
+    ann_s = [e for e in ann if tkey(e) == sched and not STEP_RE.match(e["name"])]
+    cpu_ops = [e for e in X if e.get("cat") == "cpu_op" and tkey(e) == sched]
+    rows, skipped = [], 0
+    by_ann: collections.Counter = collections.Counter()
+    by_op: collections.Counter = collections.Counter()
+    by_kernel: collections.Counter = collections.Counter()
+    for k in range(len(target) - 1):
+        c0, c1 = target[k]["ts"], target[k + 1]["ts"]
+        if bisect.bisect_right(extend, c1) - bisect.bisect_left(extend, c0):
+            skipped += 1
+            continue
+        row: dict[str, Any] = {"bs": int(STEP_RE.match(target[k]["name"]).group(2) or 0), "cpu_window_ms": (c1 - c0) / 1000.0}
+        a, b = bisect.bisect_left(rt_ts, c0), bisect.bisect_left(rt_ts, c1)
+        calls = rt[a:b]
+        row["sync_ms"] = sum(e["dur"] for e in calls if _is_sync(e["name"])) / 1000.0
+        row["kernel_launches"] = sum(1 for e in calls if _is_launch(e["name"]))
+        row["graph_launches"] = sum(1 for e in calls if "GraphLaunch" in e["name"])
+        row["runtime_calls"] = len(calls)
+        g0, g1 = anchors[k], anchors[k + 1]
+        if g0 is not None and g1 is not None and g1 > g0:
+            i, j = bisect.bisect_left(gpu_ts, g0), bisect.bisect_left(gpu_ts, g1)
+            ops = gpu[i:j]
+            busy = _union_ms([(g["ts"], min(g["ts"] + g["dur"], g1)) for g in ops])
+            row.update(gpu_window_ms=(g1 - g0) / 1000.0, gpu_busy_ms=busy, gpu_idle_ms=(g1 - g0) / 1000.0 - busy,
+                       gpu_ops=len(ops))
+            for g in ops:
+                by_kernel[g["name"][:90]] += g["dur"]
+        for e in ann_s:
+            if c0 <= e["ts"] < c1:
+                by_ann[e["name"][:60]] += e["dur"]
+        for e in cpu_ops:
+            if c0 <= e["ts"] < c1:
+                by_op[e["name"][:60]] += e["dur"]
+        rows.append(row)
+    n = len(rows)
+    res.update(steps=n, skipped_for_prefill=skipped, scheduler_thread=list(sched))
+    if not n:
+        res["error"] = "no step without a prefill"
+        return res
+    keys = ("cpu_window_ms", "gpu_window_ms", "gpu_busy_ms", "gpu_idle_ms", "sync_ms", "gpu_ops", "kernel_launches",
+            "graph_launches", "runtime_calls")
+    res["median"] = {k: _med([r[k] for r in rows if k in r]) for k in keys}
+    res["batch_sizes"] = dict(collections.Counter(r["bs"] for r in rows))
+    res["cpu_annotations_ms_per_step"] = {k: round(v / 1000.0 / n, 4) for k, v in by_ann.most_common(12)}
+    res["cpu_ops_ms_per_step"] = {k: round(v / 1000.0 / n, 4) for k, v in by_op.most_common(15)}
+    res["gpu_kernels_ms_per_step"] = {k: round(v / 1000.0 / n, 4) for k, v in by_kernel.most_common(12)}
+    res["per_step_gpu_window_ms"] = [round(r.get("gpu_window_ms", 0.0), 3) for r in rows]
+    return res
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("trace")
+    ap.add_argument("out")
+    ap.add_argument("--label", default="")
+    a = ap.parse_args()
+    res = reduce_events(load(a.trace), a.label or a.trace)
+    with open(a.out, "w") as f:
+        json.dump(res, f, indent=1)
+    print(json.dumps({k: res.get(k) for k in ("label", "steps", "median", "error") if k in res}))
+
+
+if __name__ == "__main__":
+    main()

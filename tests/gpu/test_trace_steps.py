@@ -1,0 +1,69 @@
+"""trace_steps.py: a torch-profiler trace reduced to what one decode step costs (GPU busy and idle, the
+scheduler thread's syncs and launches), on a hand-made trace whose answer is known."""
+import gzip
+import json
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "gpu"))
+import trace_steps as T  # noqa: E402
+
+S = {"pid": 1, "tid": 7}  # the scheduler thread
+
+
+def _x(cat, name, ts, dur, corr=None, where=S):
+    e = {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, **where}
+    if corr is not None:
+        e["args"] = {"correlation": corr}
+    return e
+
+
+def _gpu(name, ts, dur, corr):
+    return _x("kernel", name, ts, dur, corr, {"pid": 0, "tid": 9})
+
+
+def _trace():
+    ev = []
+    for k, t in enumerate((0, 10000, 20000, 30000)):
+        ev.append(_x("user_annotation", "step[DECODE bs=4]", t, 1000))
+    ev += [_x("cuda_runtime", "cudaLaunchKernel", 100, 5, 1), _gpu("attn", 500, 3000, 1),
+           _x("cuda_runtime", "cudaLaunchKernel", 200, 5, 2), _gpu("mlp", 3600, 1000, 2),
+           _x("cuda_runtime", "cudaStreamSynchronize", 5000, 2000),
+           _x("user_annotation", "scheduler.run_batch", 50, 4000), _x("cpu_op", "aten::to", 300, 700),
+           _x("cuda_runtime", "cudaLaunchKernel", 10100, 5, 3), _gpu("attn", 10500, 4000, 3),
+           _x("cuda_runtime", "cudaGraphLaunch", 10200, 5, 4), _gpu("graph_kernel", 14600, 500, 4),
+           _x("user_annotation", "scheduler.run_batch", 10050, 3000),
+           _x("cuda_runtime", "cudaLaunchKernel", 20100, 5, 5), _gpu("attn", 20500, 1000, 5),
+           _x("user_annotation", "step[EXTEND bs=1 toks=100]", 25000, 500),
+           _x("cuda_runtime", "cudaLaunchKernel", 30100, 5, 6), _gpu("attn", 30500, 1000, 6),
+           _x("user_annotation", "step[DECODE bs=4]", 40000, 100, where={"pid": 1, "tid": 8})]  # another thread
+    return ev
+
+
+def test_a_known_trace_reduces_to_its_figures():
+    r = T.reduce_events(_trace(), "known")
+    assert r["steps"] == 2 and r["skipped_for_prefill"] == 1 and r["scheduler_thread"] == [1, 7]
+    m = r["median"]
+    assert m["cpu_window_ms"] == 10.0 and m["gpu_window_ms"] == 10.0
+    assert m["gpu_busy_ms"] == pytest.approx(4.25) and m["gpu_idle_ms"] == pytest.approx(5.75)
+    assert m["sync_ms"] == pytest.approx(1.0)  # 2 ms in step 0, none in step 1
+    assert m["kernel_launches"] == 1.5 and m["graph_launches"] == 0.5 and m["gpu_ops"] == 2
+    assert r["cpu_annotations_ms_per_step"] == {"scheduler.run_batch": 3.5}
+    assert r["cpu_ops_ms_per_step"] == {"aten::to": 0.35}
+    assert r["gpu_kernels_ms_per_step"]["attn"] == pytest.approx(3.5)
+    assert r["batch_sizes"] == {4: 2} and r["per_step_gpu_window_ms"] == [10.0, 10.0]
+
+
+def test_overlapping_gpu_ops_count_once():
+    assert T._union_ms([(0, 1000), (500, 1500), (3000, 3500)]) == pytest.approx(2.0)
+    assert T._union_ms([]) == 0.0
+
+
+def test_a_trace_without_target_steps_says_so(tmp_path):
+    p = tmp_path / "t.json.gz"
+    with gzip.open(p, "wt") as f:
+        json.dump({"traceEvents": [_x("user_annotation", "step[EXTEND bs=1 toks=5]", 0, 10)]}, f)
+    r = T.reduce_events(T.load(str(p)))
+    assert "error" in r and r["step_spans"] == {"step[EXTEND bs=1]": 1}  # spans are counted by mode and batch
