@@ -6,6 +6,10 @@ joined artifact. Stdlib only (runs here and on the GPU machine).
         checking each one's sha256; joins every artifact whose parts are all there, checks the joined
         sha256, prints one JSON line per artifact ({"artifact", "state": complete|partial|missing, ...})
   python3 bundle_manifest.py status STASH_DIR            -> the same report from STASH_DIR alone
+  python3 bundle_manifest.py stage BUNDLE_DIR TREE_BYTES [LIMIT_MIB]
+        -> re-splits the GGUF and the site so that three calls carry everything but the JIT cache (each call:
+        the working tree + its parts <= LIMIT_MIB, default 64, less 0.25 MiB); rewrites MANIFEST.json; prints
+        each call's carry list as JSON lines (A, B, C; D carries the JIT cache: install and measure at once)
 
 An artifact named X is either the single file X or the parts X.part00, X.part01, ... (split -d -a 2).
 """
@@ -131,6 +135,50 @@ def stash(bundle_dir, stash_dir, manifest=None):
     return rows
 
 
+def _resplit(bundle_dir, base, sizes):
+    """Join base's parts and split them again into parts of `sizes` bytes (the last takes the rest)."""
+    parts = group_files(os.listdir(bundle_dir)).get(base) or []
+    joined = os.path.join(bundle_dir, base + ".joined")
+    with open(joined, "wb") as out:
+        for p in parts:
+            with open(os.path.join(bundle_dir, p), "rb") as f:
+                shutil.copyfileobj(f, out, 1 << 20)
+    for p in parts:
+        os.remove(os.path.join(bundle_dir, p))
+    names = []
+    with open(joined, "rb") as f:
+        for k, n in enumerate(list(sizes) + [None]):
+            data = f.read() if n is None else f.read(n)
+            if not data and n is None:
+                break
+            name = f"{base}.part{k:02d}"
+            with open(os.path.join(bundle_dir, name), "wb") as o:
+                o.write(data)
+            names.append(name)
+    os.remove(joined)
+    return names
+
+
+def stage(bundle_dir, tree_bytes, limit_mib=64.0, margin_mib=0.25):
+    """Three staging calls A, B, C carry the GGUF, the site, aux and deep_gemm; the measuring call D carries
+    the JIT cache (a few MiB: it restores in seconds). Returns the carry lists (names inside bundle_dir)."""
+    cap = int((limit_mib - margin_mib) * 2**20) - tree_bytes
+    size = lambda n: os.path.getsize(os.path.join(bundle_dir, n))  # noqa: E731
+    total = lambda base: sum(size(p) for p in group_files(os.listdir(bundle_dir)).get(base, []))  # noqa: E731
+    gguf, site, aux, dg = total("gguf"), total("site.txz"), size("aux.tgz"), size("deepgemm.tgz")
+    if gguf + site + aux + dg > 3 * cap:
+        raise ValueError(f"{(gguf + site + aux + dg) / 2**20:.1f} MiB do not fit three calls of {cap / 2**20:.1f} MiB")
+    g0 = cap - aux
+    s0 = cap - (gguf - g0)
+    if g0 <= 0 or s0 <= 0 or site - s0 + dg > cap:
+        raise ValueError("the parts do not fall into three calls")
+    g = _resplit(bundle_dir, "gguf", [g0])
+    st = _resplit(bundle_dir, "site.txz", [s0])
+    json.dump(build_manifest(bundle_dir), open(os.path.join(bundle_dir, "MANIFEST.json"), "w"), indent=1)
+    return {"A": [g[0], "aux.tgz", "MANIFEST.json"], "B": [g[1], st[0], "MANIFEST.json"],
+            "C": [st[1], "deepgemm.tgz", "MANIFEST.json"], "D": ["jitcache.tgz", "MANIFEST.json"]}
+
+
 def main(argv):
     if len(argv) < 2:
         print(__doc__)
@@ -147,6 +195,12 @@ def main(argv):
         for r in rows:
             print(json.dumps(r))
         return 1 if any(r["state"] == "corrupt" or r.get("bad_parts") for r in rows) else 0
+    if cmd == "stage":
+        calls = stage(argv[2], int(argv[3]), float(argv[4]) if len(argv) > 4 else 64.0)
+        for k, names in calls.items():
+            mib = sum(os.path.getsize(os.path.join(argv[2], n)) for n in names) / 2**20
+            print(json.dumps({"call": k, "carry": [f"benchmarks/gpu/bundle/{n}" for n in names], "mib": round(mib, 2)}))
+        return 0
     print(__doc__)
     return 2
 

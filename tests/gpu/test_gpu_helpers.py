@@ -56,6 +56,32 @@ def test_manifest_rejects_corrupt_part(tmp_path):
     assert not (stash / "x").exists()
 
 
+def test_stage_fits_everything_but_the_jit_cache_into_three_calls(tmp_path):
+    """bundle_manifest.py stage: the GGUF and the site re-split so that calls A, B, C (each with the working
+    tree) stay under the limit; the joined artifacts keep their bytes and sha256; D carries the JIT cache."""
+    b = tmp_path / "bundle"
+    b.mkdir()
+    mib = 2**20
+    gguf, site = os.urandom(94 * mib // 16), os.urandom(46 * mib // 16)  # the real sizes / 16
+    _write(b, "gguf.part00", gguf[: 40 * mib // 16])
+    _write(b, "gguf.part01", gguf[40 * mib // 16:])
+    _write(b, "site.txz.part00", site)
+    for n, k in (("aux.tgz", 0.17), ("deepgemm.tgz", 3.5), ("jitcache.tgz", 3.6)):
+        _write(b, n, os.urandom(int(k * mib / 16)))
+    before = M.build_manifest(str(b))["artifacts"]
+    tree, limit = int(15.2 * mib / 16), 64.0 / 16
+    calls = M.stage(str(b), tree, limit, 0.25 / 16)
+    after = json.load(open(b / "MANIFEST.json"))["artifacts"]
+    assert {k: v["sha256"] for k, v in after.items()} == {k: v["sha256"] for k, v in before.items()}
+    for k in "ABC":
+        assert sum(os.path.getsize(b / n) for n in calls[k]) + tree <= limit * mib
+    carried = {n for k in "ABC" for n in calls[k]}
+    assert carried >= {p["name"] for a in ("gguf", "site.txz", "aux.tgz", "deepgemm.tgz") for p in after[a]["parts"]}
+    assert calls["D"] == ["jitcache.tgz", "MANIFEST.json"]
+    with pytest.raises(ValueError, match="do not fit"):
+        M.stage(str(b), int(30 * mib / 16), limit, 0.25 / 16)
+
+
 def test_group_files_rejects_gaps():
     with pytest.raises(ValueError):
         M.group_files(["a.part00", "a.part02"])
