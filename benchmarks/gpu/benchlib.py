@@ -252,6 +252,30 @@ def summarize_requests(outs, wall):
             "accept_length": r(acc)}
 
 
+def phase_summary(outs, phases, t_first):
+    """Per phase of one phase-workload run: its concurrency, the requests sent in it (errors apart), their median
+    TPOT, and output tokens/s = tokens of the requests that finished inside the phase's window / its duration
+    (the last phase's window runs to the last request: the drain)."""
+    rows, t = [], t_first
+    last_end = max([o.get("t_end", t_first) for o in outs] + [t_first])
+    for k, ph in enumerate(phases):
+        lo, hi = t, t + ph["duration_s"]
+        t = hi
+        if k == len(phases) - 1:
+            hi = max(hi, last_end)
+        sent = [o for o in outs if o.get("phase") == k and "error" not in o and o.get("tokens")]
+        last = k == len(phases) - 1
+        done = [o for o in outs if "error" not in o and o.get("tokens")
+                and lo <= o.get("t_end", -1) and (o["t_end"] <= hi if last else o["t_end"] < hi)]
+        tpot = [1000.0 * (o["latency"] - (o["ttft"] or 0)) / (o["tokens"] - 1) for o in sent if o["tokens"] > 1]
+        dur = hi - lo
+        rows.append({"phase": k, "concurrency": ph["concurrency"], "requests": len(sent),
+                     "errors": sum(1 for o in outs if o.get("phase") == k and "error" in o),
+                     "output_tokens_per_s": round(sum(o["tokens"] for o in done) / dur, 1) if dur > 0 else None,
+                     "median_tpot_ms": None if not tpot else round(pct(tpot, 0.5), 3)})
+    return rows
+
+
 def profile_from_runs(runs, name, source="log"):
     """Simulator cost profile (specctl.profile/1) from the static/off sweep rows.
     source="log": median step time of SGLang's Decode-batch lines at that batch size; source="client": median

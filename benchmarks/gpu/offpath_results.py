@@ -79,7 +79,8 @@ def build(benches: list[dict], calls: list[str]) -> dict:
         seen[name] = seen.get(name, 0) + 1
         rec["phase_runs"].append({"policy": name, "run": seen[name], "output_tokens_per_s": r.get("output_tokens_per_s"),
                                   "median_tpot_ms": r.get("median_tpot_ms"),
-                                  "phases": [dict(p) for p in r.get("phases", [])]})
+                                  "phases": [dict(p) for p in r.get("phases", [])],
+                                  "per_phase": [dict(p) for p in r.get("per_phase", [])]})
     for b in benches:
         ident = (b.get("identity") or {}).get(DECODE_STATE)
         if ident:
@@ -115,9 +116,36 @@ def targets(rec: dict) -> dict:
     med = {k: st.median(v) for k, v in med.items()}
     if "specctl" in med:
         t["phase_specctl_over"] = {k: round(med["specctl"] / v, 4) for k, v in med.items() if k != "specctl" and v}
+    t.update(phase_targets(rec["phase_runs"]))
     if rec["identity"]:
         t["identity"] = f"{rec['identity']['identical']}/{rec['identity']['prompts']}"
     return t
+
+
+def phase_targets(runs: list[dict]) -> dict:
+    """Per phase (run_bench's per_phase rows): specctl's median output tokens/s over its runs ÷ the best other
+    server's median (the issue: >= 0.97 in each phase), and in the phases at concurrency <= 8 specctl's median
+    TPOT ÷ the no-spec server's (<= 0.90). Empty where the runs carry no per-phase rows."""
+    per: dict[str, dict[int, list[dict]]] = {}
+    conc: dict[int, int] = {}
+    for r in runs:
+        for p in r.get("per_phase") or []:
+            per.setdefault(r["policy"], {}).setdefault(p["phase"], []).append(p)
+            conc[p["phase"]] = p["concurrency"]
+    if "specctl" not in per or len(per) < 2:
+        return {}
+    med = lambda rows, k: st.median([x[k] for x in rows if x.get(k) is not None] or [0.0])  # noqa: E731
+    best, tpot = {}, {}
+    for k in sorted(per["specctl"]):
+        mine = med(per["specctl"][k], "output_tokens_per_s")
+        others = [med(v[k], "output_tokens_per_s") for pol, v in per.items() if pol != "specctl" and k in v]
+        if others and max(others) > 0:
+            best[str(k)] = round(mine / max(others), 4)
+        if conc[k] <= 8 and k in per.get("no-spec", {}):
+            ref = med(per["no-spec"][k], "median_tpot_ms")
+            if ref > 0:
+                tpot[str(k)] = round(med(per["specctl"][k], "median_tpot_ms") / ref, 4)
+    return {"phase_each_vs_best_ge_0.97": best, "phase_low_c_tpot_vs_no_spec_le_0.90": tpot}
 
 
 def main() -> None:

@@ -54,8 +54,8 @@ import urllib.request
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import prompts as P  # noqa: E402
-from benchlib import (daemon_configs, identity_report, parse_decode_lines, parse_policy, policy_launch_args, profile_from_runs,  # noqa: E402
-                      server_args, summarize_requests)
+from benchlib import (daemon_configs, identity_report, parse_decode_lines, parse_policy, phase_summary,  # noqa: E402
+                      policy_launch_args, profile_from_runs, server_args, summarize_requests)
 import specctl_side as SC  # noqa: E402
 
 PHASES = [  # duration_s, concurrency, mix
@@ -183,13 +183,23 @@ async def closed_loop(port, items, conc, n_req, new, stream=True):
 
 
 async def phase_loop(port, pools, phases, new, seed=0):
+    """The phase workload: every request's record carries the phase it was sent in (`phase`); returns (records,
+    wall, the epoch the first phase began at)."""
     import aiohttp
     rng = random.Random(seed)
     out, idx = [], {k: 0 for k in pools}
+
+    async def tagged(s, k, ids):
+        got = []
+        await one_request(s, port, ids, new, got)
+        for o in got:
+            o["phase"] = k
+        out.extend(got)
+
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=900)) as s:
         inflight = set()
         t_start = time.time()
-        for ph in phases:
+        for k, ph in enumerate(phases):
             t_end = time.time() + ph["duration_s"]
             classes, weights = zip(*ph["mix"].items())
             while time.time() < t_end:
@@ -197,13 +207,13 @@ async def phase_loop(port, pools, phases, new, seed=0):
                     c = rng.choices(classes, weights)[0]
                     item = pools[c][idx[c] % len(pools[c])]
                     idx[c] += 1
-                    task = asyncio.ensure_future(one_request(s, port, item["ids"], new, out))
+                    task = asyncio.ensure_future(tagged(s, k, item["ids"]))
                     inflight.add(task)
                     task.add_done_callback(inflight.discard)
                 await asyncio.sleep(0.005)
         if inflight:
             await asyncio.gather(*inflight)
-        return out, time.time() - t_start
+        return out, time.time() - t_start, t_start
 
 
 async def traced_request(session, port, ids, new, trace):
@@ -564,13 +574,14 @@ def main():
         if not a.phase or time.time() > deadline - 20 - sum(p["duration_s"] for p in phases):
             return
         off = os.path.getsize(sv["log"])
-        outs, wall = asyncio.run(phase_loop(sv["port"], pools, phases, a.new_tokens))
+        outs, wall, t_first = asyncio.run(phase_loop(sv["port"], pools, phases, a.new_tokens))
         with open(sv["log"]) as f:
             f.seek(off)
             lines = f.read()
         sw = re.findall(r"Adaptive spec params updated: steps (\d+) -> (\d+)", lines)
         row = {"policy": pol, **summarize_requests(outs, wall), "adaptive_switches": len(sw), "phases": phases,
-               "phase_set": a.phase_set, "t_start": round(time.time() - wall - T0, 1)}
+               "per_phase": phase_summary(outs, phases, t_first), "phase_set": a.phase_set,
+               "t_start": round(time.time() - wall - T0, 1)}
         result["phase_runs"].append(row)
         log(f"{pol} phase: {row['output_tokens_per_s']} tok/s, tpot med {row['median_tpot_ms']} ms, switches {len(sw)}")
 

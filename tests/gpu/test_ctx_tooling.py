@@ -127,5 +127,9 @@ def test_run_bench_alternating_workload_specctl_with_and_without_the_context_axi
     assert [x["policy"] for x in res["phase_runs"]] == ["specctl", "specctl-noctx", "specctl-noctx", "specctl"]
     assert all(x["phase_set"] == "alternating" and x["errors"] == 0 for x in res["phase_runs"])
     assert {x["mix"].popitem()[0] for x in res["phase_runs"][0]["phases"]} == {"short", "long"}
+    for x in res["phase_runs"]:  # every phase of every run has its own figures, and they add up to the run's
+        pp = x["per_phase"]
+        assert [p["phase"] for p in pp] == list(range(len(x["phases"]))) and all(p["requests"] > 0 for p in pp)
+        assert sum(p["requests"] for p in pp) == x["requests"]
     assert res["phase_pairs"]["specctl / specctl-noctx"]["pairs"] == 2
     assert "table_flaps" in res["servers"]["specctl"]["specctl"]

@@ -130,3 +130,30 @@ def test_call_d_runs_end_to_end_against_the_stand_in_and_makes_the_record(tmp_pa
     assert [row["concurrency"] for row in rec["step_costs"]] == [1, 4]
     assert all(row["rounds"] == 2 and row["no_spec_ms"] and row["off_state_ms"] for row in rec["step_costs"])
     assert rec["identity"]["prompts"] == 16 and rec["resync"]["details"].keys() == bench["resync"].keys()
+
+
+def test_phase_summary_splits_a_run_by_the_phase_each_request_was_sent_in():
+    phases = [{"duration_s": 10.0, "concurrency": 2}, {"duration_s": 5.0, "concurrency": 64}]
+    t0 = 1000.0
+    req = lambda k, end, tok, lat=1.0, ttft=0.1: {"phase": k, "t_end": t0 + end, "tokens": tok, "latency": lat,  # noqa: E731
+                                                  "ttft": ttft}
+    outs = [req(0, 4.0, 101), req(0, 9.0, 11, lat=2.1), req(1, 12.0, 51), req(1, 17.0, 21),  # the last ends in the drain
+            {"phase": 1, "error": "x", "t_end": t0 + 13}]
+    rows = B.phase_summary(outs, phases, t0)
+    assert [r["requests"] for r in rows] == [2, 2] and [r["errors"] for r in rows] == [0, 1]
+    assert rows[0]["output_tokens_per_s"] == pytest.approx(112 / 10.0)
+    assert rows[1]["output_tokens_per_s"] == pytest.approx(72 / 7.0, abs=0.05)  # window 10..17 s: the drain counts
+    assert rows[0]["median_tpot_ms"] == pytest.approx((9.0 + 200.0) / 2)  # (0.9 s / 100, 2.0 s / 10) in ms
+    assert [r["concurrency"] for r in rows] == [2, 64]
+
+
+def test_phase_targets_compare_specctl_phase_by_phase():
+    def run(pol, tok, tpot):
+        return {"policy": pol, "per_phase": [{"phase": k, "concurrency": c, "output_tokens_per_s": t, "median_tpot_ms": m}
+                                             for k, (c, t, m) in enumerate(zip((2, 64), tok, tpot))]}
+    runs = [run("specctl", (100, 500), (8.0, 20)), run("specctl", (110, 480), (9.0, 21)),
+            run("no-spec", (90, 520), (10.0, 19)), run("threshold:5:s3", (120, 400), (7.0, 25))]
+    t = O.phase_targets(runs)
+    assert t["phase_each_vs_best_ge_0.97"] == {"0": round(105 / 120, 4), "1": round(490 / 520, 4)}
+    assert t["phase_low_c_tpot_vs_no_spec_le_0.90"] == {"0": 0.85}  # only the c <= 8 phase
+    assert O.phase_targets([run("no-spec", (1, 1), (1, 1))]) == {}
