@@ -133,3 +133,21 @@ def test_run_bench_alternating_workload_specctl_with_and_without_the_context_axi
         assert sum(p["requests"] for p in pp) == x["requests"]
     assert res["phase_pairs"]["specctl / specctl-noctx"]["pairs"] == 2
     assert "table_flaps" in res["servers"]["specctl"]["specctl"]
+
+
+def test_replay_ctx_fit_reads_the_h200_recording(tmp_path):
+    """scripts/replay_ctx_fit.py on the 2026-12-01 recording (specctl's phase runs on the H200): the replay
+    yields a table, and the recording's within-batch-size context slopes of s3 fall with the batch size
+    (the observation the pooled slope ignores)."""
+    import json
+    import subprocess
+    root = os.path.join(os.path.dirname(__file__), "..", "..")
+    rec = os.path.join(root, "benchmarks", "gpu", "logs", "2026-12-01", "call5-phase-repeats", "specctl-telemetry.jsonl.gz")
+    out = tmp_path / "fit.json"
+    r = subprocess.run([sys.executable, os.path.join(root, "scripts", "replay_ctx_fit.py"), rec, "--json", str(out)],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    d = json.load(open(out))
+    assert d["steps"] > 5000 and d["table"]
+    s3 = d["configs"]["s3"]["within_batch_size"]
+    assert s3["1"]["us_per_ctx_token"] > 2 * s3["8"]["us_per_ctx_token"] > 0
