@@ -365,7 +365,7 @@ class ControllerService:
         Bands are powers of 2 of the mean context (policies.table.ctx_band_index), from the lowest to
         the highest one the telemetry shows min_region_samples steps in. Each band's table is chosen
         as `table` (the rows for any context) is, from the step times the model predicts at the band's
-        middle (CostModel.predict_step_ms_ctx: f_c(b) + g_c * b * L), with the same tolerance, and
+        middle (CostModel.predict_step_ms_ctx: f_c(b) + g_c * b^e_c * L), with the same tolerance, and
         hysteresis against the band of `previous` that covered that context. A configuration counts
         as measured only within one band of the contexts it ran at; where `table`'s choice is not,
         `table`'s choice stays. Neighbouring bands with the same rows are one band; the lowest is

@@ -7,10 +7,15 @@ age (a property of model + hardware: slow); acceptance halves every `accept_half
 property of the traffic: it shifts within a minute when the prompt mix does).
 
 Context: where telemetry carries `ctx_tokens` (the batch's context tokens, all requests), step
-time is t(c, b, L) = f_c(b) + g_c * b * L, L the mean context per request: g_c (ms per context
-token) from the within-(config, batch size) covariance of step time and ctx_tokens, f_c the same
-monotone fit as without context, through step times with g_c * ctx_tokens taken off. Without
-ctx_tokens nothing of this runs and every figure is what it was.
+time is t(c, b, L) = f_c(b) + g_c * b^e_c * L, L the mean context per request: g_c and the batch
+exponent e_c from the within-(config, batch size) covariance of step time and ctx_tokens (e_c the one
+of CTX_EXPONENTS that explains the most of it; 1, a cost per context token of the batch, unless
+another explains clearly more), f_c the same monotone fit as without context, through step times
+with the context term taken off. e_c < 1 where an attention kernel is latency-bound at small
+batches: on the H200 an EAGLE-3 s3 verify cost 4.9 µs per context token at batch 1 and 0.6-1.3 µs
+per context token of the batch at batch 4-8 (e = 0.25 there); one cost per batch token (e = 1)
+carried the small batches' figure to batch 100 and made s3 look 40 % cheaper at short contexts.
+Without ctx_tokens nothing of this runs and every figure is what it was.
 """
 
 from __future__ import annotations
@@ -44,6 +49,10 @@ _REBASE_HALF_LIVES = 256.0  # renormalise decayed weights long before 2**(age/ha
 # a context slope is used only where it is this many standard errors above 0 (else step time is
 # taken not to depend on the context: no bands come of noise)
 CTX_SLOPE_Z = 3.0
+# the batch exponents e of the context term g * b^e * L tried (1 first: a cost per context token of the
+# batch), and how much less unexplained step-time variance another must leave to be taken instead
+CTX_EXPONENTS = (1.0, 0.75, 0.5, 0.25, 0.0)
+CTX_EXPONENT_GAIN = 1e-3
 CTX_CLIP = 4.0  # a step time this many times its cell's median is clipped there for the slope
 _NAN = float("nan")
 
@@ -179,8 +188,8 @@ class _CtxCell:
 
 @dataclass
 class _CtxFit:
-    """Step time of one configuration against the context: `slope` ms per context token of the
-    batch (0 where not significantly above 0), its standard error, the monotone fit of step time
+    """Step time of one configuration against the context: `slope` g of the term g * b^e * L (ms per
+    context token at batch 1; 0 where not significantly above 0), its standard error, the monotone fit of step time
     at no context (None: `slope` is 0 and the plain fit stands), the power-of-2 bands of mean
     context per request it was measured in, and their weighted mean."""
 
@@ -189,6 +198,7 @@ class _CtxFit:
     at_zero: Optional["_TimeFit"]
     bands: tuple[int, ...]
     mean_ctx: float
+    exponent: float = 1.0  # e: the context term is slope * b^e * L (slope: ms per context token at batch 1)
 
 
 @dataclass
@@ -542,28 +552,32 @@ class CostModel:
         return self
 
     def _refit_ctx(self) -> None:
-        """Per configuration: the context slope g (weighted least squares of step time on the batch's
-        ctx_tokens within each batch size, pooled over batch sizes: a cell's own level is its batch
-        size's f), kept where it is CTX_SLOPE_Z standard errors above 0; then f through the cells'
-        medians of t - g * ctx_tokens over their recent values, as the plain fit is made."""
+        """Per configuration: the context coefficient g and batch exponent e (weighted least squares of
+        step time on b^(e-1) * ctx_tokens within each batch size, pooled over batch sizes: a cell's own
+        level is its batch size's f; e the one of CTX_EXPONENTS leaving the least residual), kept where g
+        is CTX_SLOPE_Z standard errors above 0; then f through the cells' medians of
+        t - g * b^(e-1) * ctx_tokens over their recent values, as the plain fit is made."""
         now_f = self._now_factor()
         fits: dict[Config, _CtxFit] = {}
         by_config: dict[Config, list[tuple[int, _CtxCell]]] = {}
         for (c, b), cc in self.ctx_cells_.items():
             by_config.setdefault(c, []).append((b, cc))
         for c, cells in by_config.items():
-            sxx = sum(cc.mxx for _, cc in cells) * now_f
-            sxt = sum(cc.mxt for _, cc in cells) * now_f
             stt = sum(cc.mtt for _, cc in cells) * now_f
             n = sum(cc.w for _, cc in cells) * now_f
             dof = n - len(cells) - 1.0
-            slope, se = 0.0, math.inf
-            if sxx > 0 and dof > 0:
-                slope = sxt / sxx
-                resid = max(0.0, stt - slope * sxt)
-                se = math.sqrt(resid / dof / sxx)
+            slope, se, exponent, best = 0.0, math.inf, 1.0, math.inf
+            for e in CTX_EXPONENTS:  # the regressor b^(e-1) * ctx_tokens: within a cell, ctx_tokens scaled
+                szz = sum(cc.mxx * b ** (2 * e - 2) for b, cc in cells) * now_f
+                szt = sum(cc.mxt * b ** (e - 1) for b, cc in cells) * now_f
+                if not (szz > 0 and dof > 0):
+                    continue
+                g = szt / szz
+                resid = max(0.0, stt - g * szt)
+                if resid < best * (1.0 - CTX_EXPONENT_GAIN):
+                    slope, se, exponent, best = g, math.sqrt(resid / dof / szz), e, resid
             if not (slope > 0 and slope > CTX_SLOPE_Z * se):
-                slope = 0.0
+                slope, exponent = 0.0, 1.0
             per_band: dict[int, float] = {}
             for (cfg, _, k), w in self.ctx_band_w_.items():
                 if cfg == c:
@@ -572,20 +586,21 @@ class CostModel:
             wsum = sum(cc.w for _, cc in cells)
             # the mean context per request the slope was measured around (cells at their own batch size)
             mean = sum(cc.w * cc.mx / b for b, cc in cells) / wsum if wsum > 0 else 0.0
-            at_zero = self._fit_at_zero(c, slope) if slope > 0 else None
+            at_zero = self._fit_at_zero(c, slope, exponent) if slope > 0 else None
             if slope > 0 and at_zero is None:
                 slope = 0.0
-            fits[c] = _CtxFit(slope=slope, slope_se=se, at_zero=at_zero, bands=bands, mean_ctx=mean)
+            fits[c] = _CtxFit(slope=slope, slope_se=se, at_zero=at_zero, bands=bands, mean_ctx=mean, exponent=exponent)
         self.ctx_fits_ = fits
 
-    def _fit_at_zero(self, c: Config, slope: float) -> Optional["_TimeFit"]:
+    def _fit_at_zero(self, c: Config, slope: float, exponent: float = 1.0) -> Optional["_TimeFit"]:
         pts = []
         for (k, b), cell in self.times_.items():
             if k != c:
                 continue
             values, weight = cell.settled()
             ctxs = cell.settled_ctx()
-            corrected = [t - slope * x for t, x in zip(values, ctxs) if x == x]  # x == x: not nan
+            g = slope * float(b) ** (exponent - 1.0)  # ms per context token of the batch at this batch size
+            corrected = [t - g * x for t, x in zip(values, ctxs) if x == x]  # x == x: not nan
             if not corrected:
                 continue
             n, cv = self._cell_noise((c, b))
@@ -625,10 +640,16 @@ class CostModel:
         return bool(self.ctx_fits_)
 
     def ctx_slope(self, c: Config) -> tuple[float, float]:
-        """(ms per context token of the batch, its standard error) of c; (0, inf) where unmeasured.
-        A slope not significantly above 0 reads 0."""
+        """(g, its standard error) of c's context term g * b^e * L (ms per context token at batch 1;
+        with e = 1, per context token of the batch at any batch size); (0, inf) where unmeasured.
+        A slope not significantly above 0 reads 0. `ctx_exponent` gives e."""
         f = self.ctx_fits_.get(tuple(c))  # type: ignore[arg-type]
         return (0.0, math.inf) if f is None else (f.slope, f.slope_se)
+
+    def ctx_exponent(self, c: Config) -> float:
+        """The batch exponent e of c's context term g * b^e * L (1 where unmeasured)."""
+        f = self.ctx_fits_.get(tuple(c))  # type: ignore[arg-type]
+        return 1.0 if f is None else f.exponent
 
     def ctx_bands(self, c: Optional[Config] = None) -> list[int]:
         """Power-of-2 bands of mean context per request (policies.table.ctx_band_index) with at
@@ -661,12 +682,12 @@ class CostModel:
     def predict_step_ms_ctx(self, c: Config, batch_sizes: Sequence[int] | np.ndarray,
                             mean_ctx_tokens: float) -> np.ndarray:
         """Step time of c at these batch sizes when every request has `mean_ctx_tokens` of context:
-        f_c(b) + g_c * b * L where the slope g_c is significant, else the plain prediction."""
+        f_c(b) + g_c * b^e_c * L where g_c is significant, else the plain prediction."""
         f = self.ctx_fits_.get(tuple(c))  # type: ignore[arg-type]
         if f is None or f.at_zero is None:
             return self.predict_step_ms(c, batch_sizes)
         b = np.asarray(batch_sizes, dtype=float)
-        return np.maximum(f.at_zero.predict(b) + f.slope * b * float(mean_ctx_tokens), 1e-6)
+        return np.maximum(f.at_zero.predict(b) + f.slope * b ** f.exponent * float(mean_ctx_tokens), 1e-6)
 
     def step_ms_ctx_errors(self, c: Config, batch_sizes: Sequence[int] | np.ndarray,
                            mean_ctx_tokens: float) -> tuple[np.ndarray, np.ndarray]:
@@ -678,7 +699,7 @@ class CostModel:
             return se, thin
         b = np.asarray(batch_sizes, dtype=float)
         pred = self.predict_step_ms_ctx(c, b, mean_ctx_tokens)
-        carry = f.slope_se * b * abs(float(mean_ctx_tokens) - f.mean_ctx) / pred
+        carry = f.slope_se * b ** f.exponent * abs(float(mean_ctx_tokens) - f.mean_ctx) / pred
         return np.sqrt(se ** 2 + carry ** 2), thin
 
     def acceptance_by_position(self, c: Config) -> Optional[np.ndarray]:
@@ -1076,7 +1097,8 @@ class CostModel:
                     entry["accept_rate_by_position"] = [round(float(x), 4) for x in a]
                 cf = self.ctx_fits_.get(c)
                 if cf is not None:  # only where telemetry carries ctx_tokens
-                    entry["ctx_ms_per_ktoken"] = round(1000.0 * cf.slope, 6)
+                    entry["ctx_ms_per_ktoken"] = round(1000.0 * cf.slope, 6)  # at batch 1: g of g * b^e * L
+                    entry["ctx_batch_exponent"] = cf.exponent
                     entry["ctx_bands"] = list(cf.bands)
             per[config_name(c)] = entry
         return {

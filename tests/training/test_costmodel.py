@@ -427,6 +427,30 @@ def test_the_context_slope_and_the_step_time_at_each_context_are_recovered():
         assert [m.ctx_trusted(ct.config, k) for k in (5, 6, 10, 13, 14)] == [False, True, True, True, False]
         assert m.summary()["configs"]["off" if ct.config == OFF else "s3"]["ctx_ms_per_ktoken"] == pytest.approx(
             1000 * slope, rel=1e-3)
+        assert m.ctx_exponent(ct.config) == 1.0  # a cost per context token of the batch, as the truth has it
+
+
+@pytest.mark.parametrize("exponent", [0.25, 0.5, 1.0])
+def test_a_context_cost_that_grows_slower_than_the_batch_is_fitted_as_such(exponent):
+    """Step time f(b) + g * b^e * L (e < 1: an attention kernel latency-bound at small batches, as the H200's
+    s3 verify was): the fit finds e, and the step time it predicts at a large batch and a short context
+    is the truth's, not the one a cost per context token of the batch (e = 1) fitted at small batches gives."""
+    rng = np.random.default_rng(5)
+    g = 0.004  # ms per context token at batch 1
+    f = lambda b: 6.0 + 0.05 * b  # noqa: E731
+    samples, ts = [], 1_764_441_600.0
+    for i in range(24000):
+        b = int(rng.choice([1, 2, 4, 8, 16, 32, 64, 128]))
+        L = float(rng.uniform(100, 4000))
+        ms = (f(b) + g * b ** exponent * L) * (1 + 0.02 * rng.standard_normal())
+        ts += 0.01
+        samples.append(Sample(ts=ts, config=S3, batch_size=b, step_ms=ms, accepted=[1] * b, ctx_tokens=int(b * L)))
+    m = CostModel().fit(samples)
+    assert m.ctx_exponent(S3) == exponent
+    assert m.ctx_slope(S3)[0] == pytest.approx(g, rel=0.1)
+    b = np.array([1, 16, 128])
+    for L in (200.0, 3000.0):
+        np.testing.assert_allclose(m.predict_step_ms_ctx(S3, b, L), f(b) + g * b ** exponent * L, rtol=0.04)
 
 
 def test_without_ctx_tokens_no_context_fit_runs_and_the_state_is_as_before():
