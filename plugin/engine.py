@@ -62,6 +62,9 @@ class PluginSettings:
     # SGLang's split-KV verify attention kernel (upstream: AMD gfx95 only) for topk-1 chains on CUDA;
     # off until its GPU checks (numerics against fp32, accept length, greedy agreement) have passed
     splitkv_verify: bool = False
+    # SPECCTL_DRAFT_EXTEND_GRAPHS: each chain state's draft-extend CUDA graph captured at its own width
+    # (SGLang 0.5.17 captures every state's at the launch width, so steps 0 / s1 / s2 extend eagerly)
+    draft_extend_graphs: bool = False
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -117,7 +120,8 @@ class PluginSettings:
         kw["curve_secret_key_file"] = get("CURVE_SECRET_KEY")
         kw["curve_server_key_file"] = get("CURVE_SERVER_KEY")
         kw["decision_log"] = get("DECISION_LOG")
-        for name, field_, default in (("PLAIN_DECODE", "plain_decode", "on"), ("SPLITKV_VERIFY", "splitkv_verify", "off")):
+        for name, field_, default in (("PLAIN_DECODE", "plain_decode", "on"), ("SPLITKV_VERIFY", "splitkv_verify", "off"),
+                                      ("DRAFT_EXTEND_GRAPHS", "draft_extend_graphs", "off")):
             v = (get(name) or default).lower()
             if v not in ("on", "off", "1", "0", "true", "false"):
                 raise ValueError(f"SPECCTL_{name} must be on or off, not {v!r}")

@@ -14,6 +14,15 @@ The decode state (speculation off as a decode forward; plugin/plain_decode.py; S
     AROUND   EAGLEWorkerV2.verify                  at steps 0: the verify call runs with it
     AROUND   TpModelWorker.forward_batch_generation  the target forward of that call: a DECODE forward
 
+Each chain state's own draft-extend graphs (SPECCTL_DRAFT_EXTEND_GRAPHS=on; SGLang 0.5.17 only):
+
+    AROUND   spec_utils.resolve_num_tokens_per_req   phase "draft_extend": the width in the spec bag (which
+                                                  SGLang's _override_worker_state sets for each state's
+                                                  build), not the startup ServerArgs' (0.5.17 reads that,
+                                                  so every state's draft-extend graph has the launch
+                                                  width and steps 0 / s1 / s2 extend eagerly; 0.5.23
+                                                  reads the bag itself)
+
 The split-KV verify kernel (SPECCTL_SPLITKV_VERIFY=on; SGLang gates it to AMD gfx95):
 
     AFTER    TritonAttnBackend.__init__             use_verify_splitkv on every topk-1 backend on CUDA
@@ -76,6 +85,8 @@ class Targets:
     target_forward: str = "sglang.srt.managers.tp_worker.TpModelWorker.forward_batch_generation"
     # the split-KV verify kernel only
     triton_init: str = "sglang.srt.layers.attention.triton_backend.TritonAttnBackend.__init__"
+    # each chain state's own draft-extend graphs only (0.5.17)
+    draft_width: str = "sglang.srt.speculative.spec_utils.resolve_num_tokens_per_req"
 
     def plain_targets(self) -> tuple[str, ...]:
         return (self.init_graphs, self.verify, self.target_forward)
@@ -344,6 +355,9 @@ class PluginRuntime:
                                 for t in self.targets.plain_targets()})
         if self.settings.splitkv_verify:
             consequence[self.targets.triton_init] = "verify attention stays SGLang's extend kernel"
+        if self.settings.draft_extend_graphs and _draft_width_needed():
+            consequence[self.targets.draft_width] = ("every state's draft-extend graph keeps the launch width: "
+                                                     "steps 0 / s1 / s2 extend eagerly")
         self.missing_hooks = {t for t in consequence if t not in patched}
         self.hook_problems = [f"hook on {t} did not take effect: {why}"
                               for t, why in consequence.items() if t in self.missing_hooks]
@@ -625,6 +639,12 @@ def install(settings: PluginSettings, *, targets: Targets = SGLANG_TARGETS,
     HookRegistry.register(targets.logits_rows, _after_logits_rows, HookType.AFTER)
     if settings.splitkv_verify:
         HookRegistry.register(targets.triton_init, _after_triton_init, HookType.AFTER)
+    if settings.draft_extend_graphs:
+        if _draft_width_needed():
+            HookRegistry.register(targets.draft_width, _around_draft_width, HookType.AROUND)
+        else:
+            log.info("specctl: SPECCTL_DRAFT_EXTEND_GRAPHS=on: this SGLang sizes each state's draft-extend graph "
+                     "from the state's own width already; nothing to do")
     if settings.plain_decode:
         HookRegistry.register(targets.init_graphs, _after_init_graphs, HookType.AFTER)
         HookRegistry.register(targets.verify, _around_verify, HookType.AROUND)
@@ -669,6 +689,54 @@ def _after_triton_init(ret: Any, backend: Any, *args: Any, **kwargs: Any) -> Non
     except Exception as e:  # noqa: BLE001 - SGLang's own choice stands
         log.warning("specctl: split-KV verify hook error (%s: %s); SGLang's kernel choice stands", type(e).__name__, e)
     return None
+
+
+def _draft_width_needed() -> bool:
+    """Whether this SGLang reads the draft-extend capture width from the startup ServerArgs (0.5.17:
+    resolve_num_tokens_per_req takes server_args); 0.5.23 reads it from the spec bag itself. Read
+    from the source, not imported: the plugin loads before SGLang's speculative modules do."""
+    import ast
+    import importlib.util
+
+    try:
+        spec = importlib.util.find_spec("sglang.srt.speculative.spec_utils")
+        if spec is None or not spec.origin:
+            return False
+        with open(spec.origin, encoding="utf-8") as f:
+            tree = ast.parse(f.read())
+        for node in tree.body:
+            if isinstance(node, ast.FunctionDef) and node.name == "resolve_num_tokens_per_req":
+                a = node.args
+                return any(x.arg == "server_args" for x in a.args + a.kwonlyargs)
+    except Exception:  # noqa: BLE001 - an SGLang without it: nothing to fix
+        return False
+    return False
+
+
+def _around_draft_width(orig: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """AROUND resolve_num_tokens_per_req: a draft-extend graph runner gets the width of the state
+    being built (the spec bag's, set by SGLang's _override_worker_state), as 0.5.23 does; outside a
+    build the bag holds the launch width, so nothing changes. Chains only: a tree's build sets
+    ServerArgs itself (_tree_build_context). Any problem: SGLang's own answer."""
+    if kwargs.get("phase") != "draft_extend":
+        return orig(*args, **kwargs)
+    own = orig(*args, **kwargs)
+    try:
+        spec = _runtime_context().get_spec()
+        n, topk = spec.speculative_num_draft_tokens, spec.speculative_eagle_topk
+        if isinstance(n, int) and 1 <= n and (topk or 1) == 1:
+            if n != own:
+                log.info("specctl: a draft-extend CUDA graph captured at width %d (the state being built), "
+                         "not the launch width %d (SPECCTL_DRAFT_EXTEND_GRAPHS)", n, own)
+            return n
+    except Exception as e:  # noqa: BLE001
+        rt = _RUNTIME
+        msg = f"draft-extend width hook error ({type(e).__name__}: {e}); SGLang's width stands"
+        if rt is not None:
+            rt.warn_once(msg)
+        else:
+            log.warning("specctl: %s", msg)
+    return own
 
 
 def _after_init_graphs(ret: Any, worker: Any, *args: Any, **kwargs: Any) -> None:

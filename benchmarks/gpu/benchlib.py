@@ -16,6 +16,7 @@ SGLANG_ADAPTIVE_MAX_STEPS = 7
 
 SKIP_DE = "+skipde"  # policy suffix: SGLANG_SPEC_SKIP_ZERO_STEP_DRAFT_EXTEND=1 (0.5.17: steps 0 skips the draft's extend)
 VERIFY_OFF = "+verify"  # plugin policy suffix: SPECCTL_PLAIN_DECODE=off (steps 0 is SGLang's trivial verify, not the decode state)
+DE_GRAPHS = "+deg"  # plugin policy suffix: SPECCTL_DRAFT_EXTEND_GRAPHS=on (each chain state's draft extend in its own graph)
 
 
 def parse_policy(pol):
@@ -27,9 +28,10 @@ def parse_policy(pol):
     daemon): the same server with and without the plugin, for the overhead figure; plugin-fixed:1:sN is
     plain decode inside the EAGLE-3 server at every batch size (the steps-0 state's cost).
     Any speculative policy may end in +skipde: the server runs with SGLANG_SPEC_SKIP_ZERO_STEP_DRAFT_EXTEND=1
-    (its steps-0 state no longer extends the draft; an upshift then drafts from stale state)."""
+    (its steps-0 state no longer extends the draft; an upshift then drafts from stale state); a plugin policy
+    in +verify (SPECCTL_PLAIN_DECODE=off) and +deg (SPECCTL_DRAFT_EXTEND_GRAPHS=on), in any order."""
     base, suffixes = pol, set()
-    for suffix in (SKIP_DE, VERIFY_OFF) * 2:
+    for suffix in (SKIP_DE, VERIFY_OFF, DE_GRAPHS) * 3:
         if base.endswith(suffix):
             base, _ = base[:-len(suffix)], suffixes.add(suffix)
     p = _parse_policy(base)
@@ -41,6 +43,10 @@ def parse_policy(pol):
         if p["kind"] not in ("specctl", "plugin-fixed"):
             raise ValueError(f"{pol!r}: {VERIFY_OFF} needs a plugin policy (it turns the plugin's decode state off)")
         p["plain_decode"] = False
+    if DE_GRAPHS in suffixes:
+        if p["kind"] not in ("specctl", "plugin-fixed"):
+            raise ValueError(f"{pol!r}: {DE_GRAPHS} needs a plugin policy (the plugin sizes the draft-extend graphs)")
+        p["draft_extend_graphs"] = True
     return p
 
 
@@ -129,6 +135,8 @@ def policy_launch_args(pol, draft, specctl_max_steps=3):
         env = dict(env, SGLANG_SPEC_SKIP_ZERO_STEP_DRAFT_EXTEND="1")
     if p.get("plain_decode") is False:
         env = dict(env, SPECCTL_PLAIN_DECODE="off")
+    if p.get("draft_extend_graphs"):
+        env = dict(env, SPECCTL_DRAFT_EXTEND_GRAPHS="on")
     return args, env, cfg
 
 

@@ -24,7 +24,20 @@ def test_verify_suffix_turns_the_decode_state_off_on_plugin_servers(pol, plain_o
     assert (env.get("SGLANG_SPEC_SKIP_ZERO_STEP_DRAFT_EXTEND") == "1") is skip
 
 
-@pytest.mark.parametrize("pol", ["off+verify", "static:s3+verify", "threshold:5:s3+verify", "sglang-adaptive+verify"])
+@pytest.mark.parametrize("pol, deg, plain_off", [
+    ("plugin-fixed:1:s3+deg", True, False),
+    ("plugin-fixed:1:s3+verify+deg", True, True),
+    ("specctl+deg+verify", True, True),
+    ("specctl", False, False),
+])
+def test_deg_suffix_sizes_each_state_s_draft_extend_graph(pol, deg, plain_off):
+    _, env, _ = B.policy_launch_args(pol, "/d")
+    assert (env.get("SPECCTL_DRAFT_EXTEND_GRAPHS") == "on") is deg
+    assert (env.get("SPECCTL_PLAIN_DECODE") == "off") is plain_off
+
+
+@pytest.mark.parametrize("pol", ["off+verify", "static:s3+verify", "threshold:5:s3+verify", "sglang-adaptive+verify",
+                                 "threshold:5:s3+deg", "static:s1+deg"])
 def test_verify_suffix_needs_the_plugin(pol):
     with pytest.raises(ValueError, match="plugin"):
         B.parse_policy(pol)
@@ -75,6 +88,12 @@ def test_record_has_the_issue_fields_and_checks_the_targets():
     assert sc[1] == {"concurrency": 1, "no_spec_ms": 6.1, "off_state_ms": 6.3, "trivial_verify_ms": 7.8, "rounds": 3,
                      "off_state_vs_no_spec": round(6.3 / 6.1, 4), "trivial_verify_vs_no_spec": round(7.8 / 6.1, 4)}
     assert sc[64]["rounds"] == 2  # the fewest rounds any of the three servers ran
+    assert "off_state_deg_ms" not in sc[1] and "off_state_deg_le_1.03x_no_spec" not in rec["targets"]
+    bench1["runs"].append(_row(O.DECODE_STATE_DEG, 1, [6.2, 6.1, 6.3]))
+    rec2 = O.build([bench1, bench2], ["call C", "call D"])
+    sc2 = {r["concurrency"]: r for r in rec2["step_costs"]}
+    assert sc2[1]["off_state_deg_ms"] == 6.2 and rec2["targets"]["off_state_deg_le_1.03x_no_spec"]["1"] == round(6.2 / 6.1, 4)
+    assert O.DECODE_STATE_DEG not in {r["policy"] for r in rec2["sweep"]}
     assert {r["policy"] for r in rec["sweep"]} == {"no-spec", "static:s3", "specctl"}
     assert rec["identity"] == {"prompts": 16, "identical": 16, "first_divergence": {}, "concurrency": 1}
     assert rec["resync"]["accept_after_skip_control"] == 1.05 and rec["resync"]["accept_after"] == 1.79
