@@ -53,6 +53,7 @@ which SGLang would fail on one step later; a failed tree build is caught (the ke
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from contextlib import contextmanager
@@ -691,6 +692,7 @@ def _after_triton_init(ret: Any, backend: Any, *args: Any, **kwargs: Any) -> Non
     return None
 
 
+@functools.lru_cache(maxsize=1)
 def _draft_width_needed() -> bool:
     """Whether this SGLang reads the draft-extend capture width from the startup ServerArgs (0.5.17:
     resolve_num_tokens_per_req takes server_args); 0.5.23 reads it from the spec bag itself. Read
