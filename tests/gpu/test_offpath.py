@@ -11,29 +11,23 @@ import benchlib as B  # noqa: E402
 import offpath_results as O  # noqa: E402
 
 
-@pytest.mark.parametrize("pol, plain_off, skip", [
-    ("plugin-fixed:1:s3", False, False),
-    ("plugin-fixed:1:s3+verify", True, False),
-    ("plugin-fixed:5:s3+skipde+verify", True, True),
-    ("plugin-fixed:5:s3+verify+skipde", True, True),
-    ("specctl+verify", True, False),
+@pytest.mark.parametrize("pol, plain_off, skip, deg", [
+    ("plugin-fixed:1:s3", False, False, False),
+    ("plugin-fixed:1:s3+verify", True, False, False),
+    ("plugin-fixed:5:s3+skipde+verify", True, True, False),
+    ("plugin-fixed:5:s3+verify+skipde", True, True, False),
+    ("specctl+verify", True, False, False),
+    ("plugin-fixed:1:s3+deg", False, False, True),
+    ("plugin-fixed:1:s3+verify+deg", True, False, True),
+    ("specctl+deg+verify", True, False, True),
+    ("specctl", False, False, False),
 ])
-def test_verify_suffix_turns_the_decode_state_off_on_plugin_servers(pol, plain_off, skip):
+def test_suffixes_set_the_plugin_servers_switches(pol, plain_off, skip, deg):
+    """+verify: the decode state off; +skipde: no steps-0 draft extend; +deg: each state's draft-extend graph."""
     _, env, _ = B.policy_launch_args(pol, "/d")
     assert (env.get("SPECCTL_PLAIN_DECODE") == "off") is plain_off
     assert (env.get("SGLANG_SPEC_SKIP_ZERO_STEP_DRAFT_EXTEND") == "1") is skip
-
-
-@pytest.mark.parametrize("pol, deg, plain_off", [
-    ("plugin-fixed:1:s3+deg", True, False),
-    ("plugin-fixed:1:s3+verify+deg", True, True),
-    ("specctl+deg+verify", True, True),
-    ("specctl", False, False),
-])
-def test_deg_suffix_sizes_each_state_s_draft_extend_graph(pol, deg, plain_off):
-    _, env, _ = B.policy_launch_args(pol, "/d")
     assert (env.get("SPECCTL_DRAFT_EXTEND_GRAPHS") == "on") is deg
-    assert (env.get("SPECCTL_PLAIN_DECODE") == "off") is plain_off
 
 
 @pytest.mark.parametrize("pol", ["off+verify", "static:s3+verify", "threshold:5:s3+verify", "sglang-adaptive+verify",
