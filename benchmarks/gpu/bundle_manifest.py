@@ -7,9 +7,10 @@ joined artifact. Stdlib only (runs here and on the GPU machine).
         sha256, prints one JSON line per artifact ({"artifact", "state": complete|partial|missing, ...})
   python3 bundle_manifest.py status STASH_DIR            -> the same report from STASH_DIR alone
   python3 bundle_manifest.py stage BUNDLE_DIR TREE_BYTES [LIMIT_MIB]
-        -> re-splits the GGUF and the site so that three calls carry everything but the JIT cache (each call:
-        the working tree + its parts <= LIMIT_MIB, default 64, less 0.25 MiB); rewrites MANIFEST.json; prints
-        each call's carry list as JSON lines (A, B, C; D carries the JIT cache: install and measure at once)
+        -> re-splits the GGUF and the site so that the fewest calls carry everything but the JIT cache (each
+        call: the working tree + its parts <= LIMIT_MIB, default 64, less 0.25 MiB); rewrites MANIFEST.json;
+        prints each call's carry list as JSON lines (A, B, C, ...; the last one carries the JIT cache: install
+        and measure at once)
 
 An artifact named X is either the single file X or the parts X.part00, X.part01, ... (split -d -a 2).
 """
@@ -159,24 +160,50 @@ def _resplit(bundle_dir, base, sizes):
     return names
 
 
-def stage(bundle_dir, tree_bytes, limit_mib=64.0, margin_mib=0.25):
-    """Three staging calls A, B, C carry the GGUF, the site, aux and deep_gemm; the measuring call D carries
-    the JIT cache (a few MiB: it restores in seconds). Returns the carry lists (names inside bundle_dir)."""
-    cap = int((limit_mib - margin_mib) * 2**20) - tree_bytes
+def stage(bundle_dir, tree_bytes, limit_mib=64.0, margin_mib=0.25, max_calls=6):
+    """The staging calls (A, B, C, ... as many as the limit needs) carry aux, the GGUF, the site and deep_gemm
+    in that order, the GGUF and the site re-split at each call's boundary; the measuring call after them
+    carries the JIT cache (a few MiB: it restores in seconds). Returns {call: carry list (names inside
+    bundle_dir)}, the JIT cache's call last."""
+    cap = int((limit_mib - margin_mib) * 2**20) - tree_bytes - 4096  # 4 KiB: the MANIFEST every call carries
     size = lambda n: os.path.getsize(os.path.join(bundle_dir, n))  # noqa: E731
     total = lambda base: sum(size(p) for p in group_files(os.listdir(bundle_dir)).get(base, []))  # noqa: E731
-    gguf, site, aux, dg = total("gguf"), total("site.txz"), size("aux.tgz"), size("deepgemm.tgz")
-    if gguf + site + aux + dg > 3 * cap:
-        raise ValueError(f"{(gguf + site + aux + dg) / 2**20:.1f} MiB do not fit three calls of {cap / 2**20:.1f} MiB")
-    g0 = cap - aux
-    s0 = cap - (gguf - g0)
-    if g0 <= 0 or s0 <= 0 or site - s0 + dg > cap:
-        raise ValueError("the parts do not fall into three calls")
-    g = _resplit(bundle_dir, "gguf", [g0])
-    st = _resplit(bundle_dir, "site.txz", [s0])
+    items = [("aux.tgz", size("aux.tgz"), False), ("gguf", total("gguf"), True),
+             ("site.txz", total("site.txz"), True), ("deepgemm.tgz", size("deepgemm.tgz"), False)]
+    need = sum(n for _, n, _ in items)
+    if cap <= 0 or need > max_calls * cap:
+        raise ValueError(f"{need / 2**20:.1f} MiB do not fit {max_calls} calls of {max(cap, 0) / 2**20:.1f} MiB")
+    calls, cuts, room = [[]], {}, cap  # cuts: artifact -> its part sizes but the last
+    for name, n, splittable in items:
+        while n > 0:
+            if n <= room:
+                calls[-1].append(name)
+                room -= n
+                n = 0
+            elif splittable and room > 0:
+                calls[-1].append(name)
+                cuts.setdefault(name, []).append(room)
+                n -= room
+                room = 0
+            if n > 0:
+                if len(calls) == max_calls or not calls[-1]:
+                    raise ValueError(f"the parts do not fall into {max_calls} calls of {cap / 2**20:.1f} MiB")
+                calls.append([])
+                room = cap
+    parts = {base: _resplit(bundle_dir, base, cuts.get(base, [])) for base in ("gguf", "site.txz")}
     json.dump(build_manifest(bundle_dir), open(os.path.join(bundle_dir, "MANIFEST.json"), "w"), indent=1)
-    return {"A": [g[0], "aux.tgz", "MANIFEST.json"], "B": [g[1], st[0], "MANIFEST.json"],
-            "C": [st[1], "deepgemm.tgz", "MANIFEST.json"], "D": ["jitcache.tgz", "MANIFEST.json"]}
+    out, used = {}, {base: 0 for base in parts}
+    for k, names in enumerate(calls):
+        carry = []
+        for name in names:
+            if name in parts:
+                carry.append(parts[name][used[name]])
+                used[name] += 1
+            else:
+                carry.append(name)
+        out[chr(ord("A") + k)] = carry + ["MANIFEST.json"]
+    out[chr(ord("A") + len(calls))] = ["jitcache.tgz", "MANIFEST.json"]
+    return out
 
 
 def main(argv):

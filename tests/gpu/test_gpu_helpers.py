@@ -56,9 +56,11 @@ def test_manifest_rejects_corrupt_part(tmp_path):
     assert not (stash / "x").exists()
 
 
-def test_stage_fits_everything_but_the_jit_cache_into_three_calls(tmp_path):
-    """bundle_manifest.py stage: the GGUF and the site re-split so that calls A, B, C (each with the working
-    tree) stay under the limit; the joined artifacts keep their bytes and sha256; D carries the JIT cache."""
+@pytest.mark.parametrize("limit_mib,n_staging", [(64.0, 3), (61.0, 4)])
+def test_stage_fits_everything_but_the_jit_cache_into_the_fewest_calls(tmp_path, limit_mib, n_staging):
+    """bundle_manifest.py stage: the GGUF and the site re-split so that the staging calls (each with the working
+    tree) stay under the limit; the joined artifacts keep their bytes and sha256; the last call carries the JIT
+    cache alone."""
     b = tmp_path / "bundle"
     b.mkdir()
     mib = 2**20
@@ -69,17 +71,21 @@ def test_stage_fits_everything_but_the_jit_cache_into_three_calls(tmp_path):
     for n, k in (("aux.tgz", 0.17), ("deepgemm.tgz", 3.5), ("jitcache.tgz", 3.6)):
         _write(b, n, os.urandom(int(k * mib / 16)))
     before = M.build_manifest(str(b))["artifacts"]
-    tree, limit = int(15.2 * mib / 16), 64.0 / 16
+    tree, limit = int(15.2 * mib / 16), limit_mib / 16
     calls = M.stage(str(b), tree, limit, 0.25 / 16)
     after = json.load(open(b / "MANIFEST.json"))["artifacts"]
     assert {k: v["sha256"] for k, v in after.items()} == {k: v["sha256"] for k, v in before.items()}
-    for k in "ABC":
+    names = list(calls)
+    assert names == [chr(ord("A") + k) for k in range(n_staging + 1)]
+    for k in names[:-1]:
+        assert calls[k][-1] == "MANIFEST.json"
         assert sum(os.path.getsize(b / n) for n in calls[k]) + tree <= limit * mib
-    carried = {n for k in "ABC" for n in calls[k]}
-    assert carried >= {p["name"] for a in ("gguf", "site.txz", "aux.tgz", "deepgemm.tgz") for p in after[a]["parts"]}
-    assert calls["D"] == ["jitcache.tgz", "MANIFEST.json"]
+    carried = [n for k in names[:-1] for n in calls[k] if n != "MANIFEST.json"]
+    assert sorted(carried) == sorted(p["name"] for a in ("gguf", "site.txz", "aux.tgz", "deepgemm.tgz")
+                                     for p in after[a]["parts"])
+    assert calls[names[-1]] == ["jitcache.tgz", "MANIFEST.json"]
     with pytest.raises(ValueError, match="do not fit"):
-        M.stage(str(b), int(30 * mib / 16), limit, 0.25 / 16)
+        M.stage(str(b), int(50 * mib / 16), limit, 0.25 / 16)
 
 
 def test_group_files_rejects_gaps():
