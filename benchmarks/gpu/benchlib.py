@@ -165,6 +165,20 @@ def _launch_args(p, draft, specctl_max_steps):
     raise AssertionError(p)
 
 
+RESYNC_PROBES, RESYNC_FILLERS = 4, 60  # run_bench's draft-resync probe: 4 probes beside 60 fillers (batch 64)
+
+
+def max_concurrency(levels, phase_concurrencies=(), identity_c=1, resync=False):
+    """The most requests a run_bench server will hold at once: its --max-running-requests and its largest decode
+    CUDA graph. Every part of the run counts (the levels, the phase workload, the identity probe, the resync
+    probe): a cap below one of them serialises that part's requests, and its figures mean nothing (2026-12-01:
+    a resync call without levels ran its probes one at a time)."""
+    parts = [1, int(identity_c), *map(int, levels), *map(int, phase_concurrencies)]
+    if resync:
+        parts.append(RESYNC_PROBES + RESYNC_FILLERS)
+    return max(parts)
+
+
 def server_args(maxc, mem_fraction, *, max_total_tokens=0, prefill_graph=False):
     """The SGLang flags every testbed server shares (run_bench.py, specctl_e2e.py), so that their figures compare.
     max_total_tokens caps the KV pool (servers started together on one GPU then all fit); without prefill_graph

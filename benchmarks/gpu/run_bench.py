@@ -53,6 +53,7 @@ import time
 import urllib.request
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import benchlib as B  # noqa: E402
 import prompts as P  # noqa: E402
 from benchlib import (daemon_configs, identity_report, parse_decode_lines, parse_policy, phase_summary,  # noqa: E402
                       policy_launch_args, profile_from_runs, server_args, summarize_requests)
@@ -460,7 +461,8 @@ def main():
         pools = {"short": mixed, "long": P.long_prompts(tok, mixed, a.long_prompt_tokens, P.gen_train_prompts(2000, seed=5))}
     levels = [int(x) for x in a.levels.split(",") if x]
     policies = [p for p in a.policies.split(",") if p]
-    maxc = max(levels + [max(ph["concurrency"] for ph in phase_set) if a.phase else 1])
+    maxc = B.max_concurrency(levels, [ph["concurrency"] for ph in phase_set] if a.phase else (), a.identity_c,
+                             resync=bool(a.resync))
     memf = a.mem_fraction or round(0.8 / max(1, min(a.parallel, len(policies))), 3)
     common = server_args(maxc, memf, max_total_tokens=a.max_total_tokens, prefill_graph=a.prefill_graph)
     plugin_pols = [p for p in policies if parse_policy(p)["kind"] in ("specctl", "plugin-fixed")]
@@ -615,7 +617,8 @@ def main():
         try:
             for sv in live:
                 if sv["policy"] in a.resync.split(","):
-                    r = asyncio.run(resync_probe(sv["port"], sv["log"], mixed[:4], mixed[16:], off_s=a.resync_off_s,
+                    r = asyncio.run(resync_probe(sv["port"], sv["log"], mixed[:B.RESYNC_PROBES], mixed[16:],
+                                                 off_s=a.resync_off_s, filler_c=B.RESYNC_FILLERS,
                                                  probe_tokens=a.resync_probe_tokens))
                     result.setdefault("resync", {})[sv["policy"]] = r
                     log(f"{sv['policy']} resync: {r}")

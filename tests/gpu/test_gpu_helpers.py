@@ -371,3 +371,17 @@ def test_acceptance_correlation_design_effect(tmp_path, monkeypatch, prompt_effe
     A.main()
     (r,) = json.loads(out.read_text())["by_chain_and_batch"]
     assert r["seconds"] == 30 and r["deff"] > low and (high is None or r["deff"] < high)
+
+
+@pytest.mark.parametrize("levels,phases,identity_c,resync,want", [
+    ([1, 4, 16, 64, 128], (), 1, False, 128),
+    ([], (2, 64, 8, 128, 1), 16, False, 128),
+    ([], (), 1, True, B.RESYNC_PROBES + B.RESYNC_FILLERS),  # 2026-12-01: this call ran with a cap of 1
+    ([], (), 16, False, 16),
+    ([], (), 1, False, 1),
+    ([2, 16], (), 1, True, 64),
+])
+def test_max_concurrency_covers_every_part_of_the_run(levels, phases, identity_c, resync, want):
+    """A server's --max-running-requests holds every part of its run: the levels, the phases, the identity
+    probe and the resync probe's probes beside its fillers; below that, requests queue and the figures lie."""
+    assert B.max_concurrency(levels, phases, identity_c, resync=resync) == want
