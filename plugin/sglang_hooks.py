@@ -14,7 +14,7 @@ The decode state (speculation off as a decode forward; plugin/plain_decode.py; S
     AROUND   EAGLEWorkerV2.verify                  at steps 0: the verify call runs with it
     AROUND   TpModelWorker.forward_batch_generation  the target forward of that call: a DECODE forward
 
-Each chain state's own draft-extend graphs (SPECCTL_DRAFT_EXTEND_GRAPHS=on; SGLang 0.5.17 only):
+Each chain state's own draft-extend graphs (SPECCTL_DRAFT_EXTEND_GRAPHS, on by default; SGLang 0.5.17 only):
 
     AROUND   spec_utils.resolve_num_tokens_per_req   phase "draft_extend": the width in the spec bag (which
                                                   SGLang's _override_worker_state sets for each state's

@@ -16,7 +16,9 @@ SGLANG_ADAPTIVE_MAX_STEPS = 7
 
 SKIP_DE = "+skipde"  # policy suffix: SGLANG_SPEC_SKIP_ZERO_STEP_DRAFT_EXTEND=1 (0.5.17: steps 0 skips the draft's extend)
 VERIFY_OFF = "+verify"  # plugin policy suffix: SPECCTL_PLAIN_DECODE=off (steps 0 is SGLang's trivial verify, not the decode state)
-DE_GRAPHS = "+deg"  # plugin policy suffix: SPECCTL_DRAFT_EXTEND_GRAPHS=on (each chain state's draft extend in its own graph)
+DE_GRAPHS = "+deg"  # plugin policy suffix: SPECCTL_DRAFT_EXTEND_GRAPHS=on (each chain state's draft extend in its own graph;
+#                     the plugin's default since 2026-12-01: kept so that that lease's commands still mean what they did)
+NO_DE_GRAPHS = "+nodeg"  # plugin policy suffix: SPECCTL_DRAFT_EXTEND_GRAPHS=off (0.5.17's launch-width graphs: the control)
 
 
 def parse_policy(pol):
@@ -29,9 +31,10 @@ def parse_policy(pol):
     plain decode inside the EAGLE-3 server at every batch size (the steps-0 state's cost).
     Any speculative policy may end in +skipde: the server runs with SGLANG_SPEC_SKIP_ZERO_STEP_DRAFT_EXTEND=1
     (its steps-0 state no longer extends the draft; an upshift then drafts from stale state); a plugin policy
-    in +verify (SPECCTL_PLAIN_DECODE=off) and +deg (SPECCTL_DRAFT_EXTEND_GRAPHS=on), in any order."""
+    in +verify (SPECCTL_PLAIN_DECODE=off), +deg (SPECCTL_DRAFT_EXTEND_GRAPHS=on, the default) and +nodeg
+    (SPECCTL_DRAFT_EXTEND_GRAPHS=off), in any order."""
     base, suffixes = pol, set()
-    for suffix in (SKIP_DE, VERIFY_OFF, DE_GRAPHS) * 3:
+    for suffix in (SKIP_DE, VERIFY_OFF, NO_DE_GRAPHS, DE_GRAPHS) * 4:
         if base.endswith(suffix):
             base, _ = base[:-len(suffix)], suffixes.add(suffix)
     p = _parse_policy(base)
@@ -47,6 +50,10 @@ def parse_policy(pol):
         if p["kind"] not in ("specctl", "plugin-fixed"):
             raise ValueError(f"{pol!r}: {DE_GRAPHS} needs a plugin policy (the plugin sizes the draft-extend graphs)")
         p["draft_extend_graphs"] = True
+    if NO_DE_GRAPHS in suffixes:
+        if p["kind"] not in ("specctl", "plugin-fixed") or DE_GRAPHS in suffixes:
+            raise ValueError(f"{pol!r}: {NO_DE_GRAPHS} needs a plugin policy without {DE_GRAPHS}")
+        p["draft_extend_graphs"] = False
     return p
 
 
@@ -135,8 +142,8 @@ def policy_launch_args(pol, draft, specctl_max_steps=3):
         env = dict(env, SGLANG_SPEC_SKIP_ZERO_STEP_DRAFT_EXTEND="1")
     if p.get("plain_decode") is False:
         env = dict(env, SPECCTL_PLAIN_DECODE="off")
-    if p.get("draft_extend_graphs"):
-        env = dict(env, SPECCTL_DRAFT_EXTEND_GRAPHS="on")
+    if p.get("draft_extend_graphs") is not None:
+        env = dict(env, SPECCTL_DRAFT_EXTEND_GRAPHS="on" if p["draft_extend_graphs"] else "off")
     return args, env, cfg
 
 

@@ -12,26 +12,30 @@ import offpath_results as O  # noqa: E402
 
 
 @pytest.mark.parametrize("pol, plain_off, skip, deg", [
-    ("plugin-fixed:1:s3", False, False, False),
-    ("plugin-fixed:1:s3+verify", True, False, False),
-    ("plugin-fixed:5:s3+skipde+verify", True, True, False),
-    ("plugin-fixed:5:s3+verify+skipde", True, True, False),
-    ("specctl+verify", True, False, False),
-    ("plugin-fixed:1:s3+deg", False, False, True),
-    ("plugin-fixed:1:s3+verify+deg", True, False, True),
-    ("specctl+deg+verify", True, False, True),
-    ("specctl", False, False, False),
+    ("plugin-fixed:1:s3", False, False, None),  # the plugin's defaults: decode state on, own-width graphs on
+    ("plugin-fixed:1:s3+verify", True, False, None),
+    ("plugin-fixed:5:s3+skipde+verify", True, True, None),
+    ("plugin-fixed:5:s3+verify+skipde", True, True, None),
+    ("specctl+verify", True, False, None),
+    ("plugin-fixed:1:s3+deg", False, False, "on"),
+    ("plugin-fixed:1:s3+verify+deg", True, False, "on"),
+    ("specctl+deg+verify", True, False, "on"),
+    ("plugin-fixed:1:s3+nodeg", False, False, "off"),
+    ("plugin-fixed:5:s3+nodeg+skipde", False, True, "off"),
+    ("specctl", False, False, None),
 ])
 def test_suffixes_set_the_plugin_servers_switches(pol, plain_off, skip, deg):
-    """+verify: the decode state off; +skipde: no steps-0 draft extend; +deg: each state's draft-extend graph."""
+    """+verify: the decode state off; +skipde: no steps-0 draft extend; +deg / +nodeg: each state's
+    draft-extend graph at its own width, explicitly on / off (no suffix: the plugin's default)."""
     _, env, _ = B.policy_launch_args(pol, "/d")
     assert (env.get("SPECCTL_PLAIN_DECODE") == "off") is plain_off
     assert (env.get("SGLANG_SPEC_SKIP_ZERO_STEP_DRAFT_EXTEND") == "1") is skip
-    assert (env.get("SPECCTL_DRAFT_EXTEND_GRAPHS") == "on") is deg
+    assert env.get("SPECCTL_DRAFT_EXTEND_GRAPHS") == deg
 
 
 @pytest.mark.parametrize("pol", ["off+verify", "static:s3+verify", "threshold:5:s3+verify", "sglang-adaptive+verify",
-                                 "threshold:5:s3+deg", "static:s1+deg"])
+                                 "threshold:5:s3+deg", "static:s1+deg", "sglang-adaptive+nodeg",
+                                 "plugin-fixed:1:s3+deg+nodeg"])
 def test_verify_suffix_needs_the_plugin(pol):
     with pytest.raises(ValueError, match="plugin"):
         B.parse_policy(pol)

@@ -52,7 +52,8 @@ def test_the_width_is_the_state_being_built(monkeypatch, bag, phase, want):
 
 
 def test_settings_read_the_switch():
-    assert PluginSettings.from_env({}).draft_extend_graphs is False
+    assert PluginSettings.from_env({}).draft_extend_graphs is True  # on by default since the H200 measured it
+    assert PluginSettings.from_env({"SPECCTL_DRAFT_EXTEND_GRAPHS": "off"}).draft_extend_graphs is False
     assert PluginSettings.from_env({"SPECCTL_DRAFT_EXTEND_GRAPHS": "on"}).draft_extend_graphs is True
     with pytest.raises(ValueError, match="SPECCTL_DRAFT_EXTEND_GRAPHS"):
         PluginSettings.from_env({"SPECCTL_DRAFT_EXTEND_GRAPHS": "auto"})
