@@ -406,9 +406,11 @@ def policy_flaps(policy):
             for b, rows in groups.items()}
 
 
-def identity_report(outputs, ref_policy="off"):
+def identity_report(outputs, ref_policy="off", margins=None):
     """outputs: {policy: {prompt id: greedy output ids}} -> per policy, how many prompts match `ref_policy`'s
-    token for token and where the first differing token is (None where identical)."""
+    token for token and where the first differing token is (None where identical). With margins ({prompt id:
+    the reference's log p(top-1) - log p(top-2) per output position}): each divergence's margin there
+    (`margin_at_divergence`; a near-tie reads ~0) and, for scale, the median margin of the prompt's positions."""
     ref = outputs.get(ref_policy)
     rep = {}
     for pol, outs in outputs.items():
@@ -426,4 +428,15 @@ def identity_report(outputs, ref_policy="off"):
             firsts[pid] = k
         rep[pol] = {"identical": sum(1 for k in firsts.values() if k is None), "of": len(firsts),
                     "first_divergence": {p: k for p, k in sorted(firsts.items()) if k is not None}}
+        if margins:
+            at, typical = {}, []
+            for p, k in rep[pol]["first_divergence"].items():
+                m = margins.get(p) or []
+                if k < len(m) and m[k] is not None:
+                    at[p] = round(m[k], 5)
+            for m in margins.values():
+                typical += [x for x in (m or []) if x is not None]
+            rep[pol]["margin_at_divergence"] = at
+            if typical:
+                rep[pol]["median_margin"] = round(sorted(typical)[len(typical) // 2], 5)
     return rep

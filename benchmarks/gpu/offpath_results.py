@@ -7,7 +7,9 @@ Reads the run_bench rows of these policies (any call may hold any of them):
   off                          -> no-spec                   (a server launched without speculation)
   plugin-fixed:1:s3            -> the decode state          (the plugin holding "off" at every batch size)
   plugin-fixed:1:s3+verify     -> SGLang's trivial verify   (the same, SPECCTL_PLAIN_DECODE=off)
-  plugin-fixed:1:s3+deg        -> the decode state, each state's draft extend in its own graph (SPECCTL_DRAFT_EXTEND_GRAPHS=on)
+  plugin-fixed:1:s3+deg        -> the decode state, each state's draft extend in its own graph (SPECCTL_DRAFT_EXTEND_GRAPHS=on;
+                                  the plugin's default since 2026-12-01: before that, plugin-fixed:1:s3 ran without it)
+  plugin-fixed:1:s3+nodeg      -> the decode state with 0.5.17's launch-width draft-extend graphs (the control)
   static:sN, threshold:5:s3, sglang-adaptive, specctl       (sweep and phase rows, named as the issue names them)
 and writes: step_costs (median of the per-round Decode-batch step medians, per concurrency), sweep, phase_runs,
 identity (the decode state vs no-spec, greedy), resync (threshold:5:s3 probes, with and without
@@ -26,6 +28,14 @@ from benchlib import parse_policy  # noqa: E402
 
 NO_SPEC_POLICY, DECODE_STATE, TRIVIAL = "off", "plugin-fixed:1:s3", "plugin-fixed:1:s3+verify"
 DECODE_STATE_DEG = "plugin-fixed:1:s3+deg"  # the decode state with the steps-0 draft extend in its own graph
+DECODE_STATE_NODEG = "plugin-fixed:1:s3+nodeg"  # ... and without (0.5.17's launch-width graphs)
+STEP_POLICIES = ("off", DECODE_STATE, TRIVIAL, DECODE_STATE_DEG, DECODE_STATE_NODEG)
+
+
+def shipped(pol: str) -> str:
+    """A policy as the plugin now ships it: +deg is the default (SPECCTL_DRAFT_EXTEND_GRAPHS=on), so
+    specctl+deg is specctl and plugin-fixed:5:s3+deg+skipde is plugin-fixed:5:s3+skipde."""
+    return pol.replace("+deg", "")
 RESYNC, RESYNC_SKIP = "plugin-fixed:5:s3", "plugin-fixed:5:s3+skipde"
 
 
@@ -48,7 +58,7 @@ def _round_steps(row: dict) -> list[float]:
 def step_costs(runs: list[dict]) -> list[dict]:
     by = {}
     for r in runs:
-        if r["policy"] in ("off", DECODE_STATE, TRIVIAL, DECODE_STATE_DEG):
+        if r["policy"] in STEP_POLICIES:
             by.setdefault(r["concurrency"], {})[r["policy"]] = _round_steps(r)
     out = []
     for c in sorted(by):
@@ -60,10 +70,11 @@ def step_costs(runs: list[dict]) -> list[dict]:
             row["off_state_vs_no_spec"] = round(row["off_state_ms"] / row["no_spec_ms"], 4)
         if row["no_spec_ms"] and row["trivial_verify_ms"]:
             row["trivial_verify_vs_no_spec"] = round(row["trivial_verify_ms"] / row["no_spec_ms"], 4)
-        if med.get(DECODE_STATE_DEG):
-            row["off_state_deg_ms"] = med[DECODE_STATE_DEG]
-            if row["no_spec_ms"]:
-                row["off_state_deg_vs_no_spec"] = round(med[DECODE_STATE_DEG] / row["no_spec_ms"], 4)
+        for pol, key in ((DECODE_STATE_DEG, "off_state_deg"), (DECODE_STATE_NODEG, "off_state_nodeg")):
+            if med.get(pol):
+                row[f"{key}_ms"] = med[pol]
+                if row["no_spec_ms"]:
+                    row[f"{key}_vs_no_spec"] = round(med[pol] / row["no_spec_ms"], 4)
         out.append(row)
     return out
 
@@ -75,13 +86,13 @@ def build(benches: list[dict], calls: list[str]) -> dict:
     rec = {"gpu": first.get("gpu"), "sglang": first.get("sglang"), "attention_backend": "triton",
            "model": first.get("model"), "draft": first.get("draft"), "calls": calls,
            "step_costs": step_costs(runs),
-           "sweep": [{"concurrency": r["concurrency"], "policy": issue_name(r["policy"]),
+           "sweep": [{"concurrency": r["concurrency"], "policy": issue_name(shipped(r["policy"])),
                       "output_tokens_per_s": r.get("output_tokens_per_s")}
-                     for r in runs if r["policy"] not in (DECODE_STATE, TRIVIAL, DECODE_STATE_DEG)],
+                     for r in runs if r["policy"] == "off" or r["policy"] not in STEP_POLICIES],
            "phase_runs": [], "identity": None, "resync": None}
     seen: dict[str, int] = {}
     for r in phase:
-        name = issue_name(r["policy"])
+        name = issue_name(shipped(r["policy"]))
         seen[name] = seen.get(name, 0) + 1
         rec["phase_runs"].append({"policy": name, "run": seen[name], "output_tokens_per_s": r.get("output_tokens_per_s"),
                                   "median_tpot_ms": r.get("median_tpot_ms"),
@@ -93,13 +104,16 @@ def build(benches: list[dict], calls: list[str]) -> dict:
             rec["identity"] = {"prompts": ident["of"], "identical": ident["identical"],
                                "first_divergence": ident.get("first_divergence", {}),
                                "concurrency": b.get("identity_concurrency")}
-        rs = b.get("resync") or {}
+        rs = {shipped(k): v for k, v in (b.get("resync") or {}).items()}
         if RESYNC in rs or RESYNC_SKIP in rs:
             a, s = rs.get(RESYNC) or {}, rs.get(RESYNC_SKIP) or {}
             rec["resync"] = {"accept_before": a.get("accept_before"), "accept_after": a.get("accept_after"),
                              "accept_after_skip_control": s.get("accept_after"),
                              "accept_before_skip_control": s.get("accept_before"),
                              "off_stretch_s": a.get("off_stretch_s"), "details": rs}
+    profiles = {k: v for b in benches for k, v in (b.get("profiles") or {}).items()}
+    if profiles:  # trace_steps.py's reductions (per-step medians: GPU busy / idle, syncs, launches)
+        rec["profiles"] = {k: (v.get("median", v) if isinstance(v, dict) else v) for k, v in profiles.items()}
     rec["targets"] = targets(rec)
     return rec
 

@@ -132,10 +132,12 @@ def top2_margins(meta):
             for t in meta.get("output_top_logprobs") or []]
 
 
-async def one_request(session, port, ids, new, out, stream=True, pid=None, top2=False):
+async def one_request(session, port, ids, new, out, stream=True, pid=None, top2=False, ignore_eos=False):
     """Streaming /generate; records ttft, latency, tokens, verify count (stream=False: also the output ids, and
     with top2 the top-1 minus top-2 log-probability of every output position)."""
     body = {"input_ids": ids, "sampling_params": {"temperature": 0, "max_new_tokens": new}, "stream": stream}
+    if ignore_eos:
+        body["sampling_params"]["ignore_eos"] = True
     if top2:
         body.update(return_logprob=True, top_logprobs_num=2)
     t = time.perf_counter()
@@ -169,14 +171,14 @@ async def one_request(session, port, ids, new, out, stream=True, pid=None, top2=
         out.append({"error": repr(e)[:200], "t_end": time.time()})
 
 
-async def closed_loop(port, items, conc, n_req, new, stream=True):
+async def closed_loop(port, items, conc, n_req, new, stream=True, top2=False, ignore_eos=False):
     import aiohttp
     out, it = [], iter(items * (1 + n_req // max(1, len(items))))
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=900)) as s:
         async def worker(k):
             for _ in range(k):
                 x = next(it)
-                await one_request(s, port, x["ids"], new, out, stream, x.get("id"))
+                await one_request(s, port, x["ids"], new, out, stream, x.get("id"), top2=top2, ignore_eos=ignore_eos)
         per = [n_req // conc + (1 if i < n_req % conc else 0) for i in range(conc)]
         t = time.time()
         await asyncio.gather(*[worker(k) for k in per if k])
@@ -319,10 +321,12 @@ async def resync_probe(port, log_path, probes, fillers, *, probe_tokens=2400, of
             "probe_c": len(probes), "filler_c": filler_c}
 
 
-def profile_server(port, out_dir, name, c, items, steps=40, new_tokens=512, wait_s=120.0):
+def profile_server(port, out_dir, name, c, items, steps=40, new_tokens=1024, wait_s=120.0):
     """A torch profile of `steps` forward steps of one server under a closed loop at concurrency c (SGLang's
     /start_profile: CPU + GPU activities, no stacks or shapes), reduced here by trace_steps.py to
-    OUT/prof-<name>-c<c>.json; the raw trace (tens of MB) is deleted. The reduction, or {"error": ...}."""
+    OUT/prof-<name>-c<c>.json; the raw trace (tens of MB) is deleted. The reduction, or {"error": ...}.
+    The load ignores EOS, so all c requests are still decoding when the profile starts (2026-12-01, without:
+    the c=16 profiles caught batches of 5 and 6)."""
     import glob
     import threading
 
@@ -333,7 +337,7 @@ def profile_server(port, out_dir, name, c, items, steps=40, new_tokens=512, wait
 
     def load():
         while not stop.is_set():
-            asyncio.run(closed_loop(port, items, c, c, new_tokens))
+            asyncio.run(closed_loop(port, items, c, c, new_tokens, ignore_eos=True))
 
     th = threading.Thread(target=load, daemon=True)
     th.start()
@@ -528,6 +532,14 @@ def main():
             log(f"specctl learned for {srv['learn_s']} s; policy:", json.dumps(sv["side"].status()["policy"]["table"])[:600])
         outs, _ = asyncio.run(closed_loop(sv["port"], mixed[:16], a.identity_c, 16, a.identity_tokens, stream=False))
         result["identity"][pol] = {o.get("pid"): o.get("ids") for o in outs}
+        if pol == "off":  # how close each of the reference's choices was (a pass of its own: the ids above
+            # come from requests without logprobs, as every server's do; a spec server would run logprob steps
+            # through its trivial verify, so only the no-spec server is asked)
+            outs, _ = asyncio.run(closed_loop(sv["port"], mixed[:16], a.identity_c, 16, a.identity_tokens,
+                                              stream=False, top2=True))
+            result["identity_margins"] = {o.get("pid"): o.get("top2") for o in outs}
+            result["identity_margins_ids_same"] = sum(1 for o in outs
+                                                      if o.get("ids") == result["identity"]["off"].get(o.get("pid")))
         if a.accept_eval and pol != "off":
             acc = {}
             for name, items in (("mtbench", mtb), ("humaneval", he)):
@@ -677,7 +689,7 @@ def main():
         result["phase_pairs"] = {"specctl / specctl-noctx": paired_ratios(by_pol["specctl"], by_pol["specctl-noctx"])}
         log("phase runs, specctl ÷ specctl-noctx:", result["phase_pairs"])
     outputs = result["identity"]
-    result["identity"] = identity_report(outputs)
+    result["identity"] = identity_report(outputs, margins=result.get("identity_margins"))
     result["identity_ids"] = outputs  # every policy's greedy output ids: where two part, and to what
     trees = sorted({p for p in outputs if p.startswith("static:") and parse_policy(p)["config"][1] > 1})
     for ref in trees:  # a tree's own greedy outputs: what specctl:TREE and threshold:T:TREE should reproduce

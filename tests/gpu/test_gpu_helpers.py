@@ -210,6 +210,18 @@ def test_identity_report():
     assert B.identity_report({"static:s1": {"a": [1]}}) == {"static:s1": None}
 
 
+def test_identity_report_reads_the_reference_margin_where_outputs_part():
+    """With the no-spec server's top-1 - top-2 log-probability margins: the margin at each first divergence
+    (a near-tie reads ~0) and the median margin for scale; positions past the margins' end are left out."""
+    outs = {"off": {"a": [1, 2, 3, 4], "b": [4, 5, 6]}, "plugin-fixed:1:s3": {"a": [1, 2, 9, 9], "b": [4, 5, 7]}}
+    margins = {"a": [3.0, 2.5, 0.002, 1.0], "b": [4.0, 1.5]}
+    r = B.identity_report(outs, margins=margins)["plugin-fixed:1:s3"]
+    assert r["first_divergence"] == {"a": 2, "b": 2}
+    assert r["margin_at_divergence"] == {"a": 0.002}  # b's divergence lies past its margins
+    assert r["median_margin"] == 2.5
+    assert "margin_at_divergence" not in B.identity_report(outs)["plugin-fixed:1:s3"]
+
+
 def test_walk_tau_follows_engine_chain_starts():
     torch = pytest.importorskip("torch")
     pytest.importorskip("transformers")

@@ -102,6 +102,23 @@ def test_record_has_the_issue_fields_and_checks_the_targets():
     assert t["identity"] == "16/16"
 
 
+def test_deg_suffix_is_the_shipped_plugin_in_phase_sweep_and_resync_rows():
+    """+deg is the plugin's default since 2026-12-01: specctl+deg's phase runs are specctl's, the resync servers
+    named with +deg are the resync servers; the step-cost columns keep +deg and +nodeg apart."""
+    bench = {"runs": [_row("off", 1, [6.0]), _row(O.DECODE_STATE_DEG, 1, [6.2]), _row(O.DECODE_STATE_NODEG, 1, [6.9]),
+                      _row("specctl+deg", 8, [], 1090.0), _row("static:s3", 8, [], 1100.0)],
+             "phase_runs": [{"policy": "specctl+deg", "output_tokens_per_s": 2000, "phases": []},
+                            {"policy": "off", "output_tokens_per_s": 1900, "phases": []}],
+             "resync": {O.RESYNC + "+deg": {"accept_after": 1.8}, O.RESYNC + "+deg+skipde": {"accept_after": 1.1}}}
+    rec = O.build([bench], [])
+    assert [r["policy"] for r in rec["phase_runs"]] == ["specctl", "no-spec"]
+    assert rec["targets"]["phase_specctl_over"] == {"no-spec": round(2000 / 1900, 4)}
+    assert {r["policy"] for r in rec["sweep"]} == {"no-spec", "specctl", "static:s3"}
+    assert rec["resync"]["accept_after"] == 1.8 and rec["resync"]["accept_after_skip_control"] == 1.1
+    sc = rec["step_costs"][0]
+    assert sc["off_state_deg_ms"] == 6.2 and sc["off_state_nodeg_ms"] == 6.9
+
+
 def test_plugin_threshold_servers_are_named_as_the_threshold_they_run():
     assert O.issue_name("plugin-fixed:5:s3") == "threshold:5:s3"
     assert O.issue_name("off") == "no-spec" and O.issue_name("static:s2") == "static:s2"
@@ -137,6 +154,10 @@ def test_call_d_runs_end_to_end_against_the_stand_in_and_makes_the_record(tmp_pa
         assert probe["accept_before"] == probe["accept_after"] == 2.5  # the stand-in's s3 accept length
         assert 0 < max(probe["tail_from_tokens"]) < 8000 - 200
     assert set(bench["identity_ids"]) == set(pols)
+    # the no-spec server's margins, from a pass of their own whose ids are those of the plain pass
+    assert len(bench["identity_margins"]) == 16 and bench["identity_margins_ids_same"] == 16
+    assert all(len(m) == 24 and all(x is not None and x > 0 for x in m) for m in bench["identity_margins"].values())
+    assert "median_margin" in bench["identity"][O.DECODE_STATE]
     prof = bench["profiles"][f"{O.DECODE_STATE}@4"]  # the stand-in's trace: 6 steps, one 6 ms kernel each
     assert prof["steps"] == 5 and prof["median"]["gpu_busy_ms"] == 6.0 and prof["median"]["graph_launches"] == 1
     assert not [p for p in os.listdir(out) if p.startswith("trace-")]  # the raw trace is not kept
