@@ -64,7 +64,7 @@ class PluginSettings:
     splitkv_verify: bool = False
     # SPECCTL_DRAFT_EXTEND_GRAPHS: each chain state's draft-extend CUDA graph captured at its own width
     # (SGLang 0.5.17 captures every state's at the launch width, so steps 0 / s1 / s2 extend eagerly: on the
-    # H200, 2026-12-01, the decode state's step at c=16 went from 10.7 to 6.7 ms under the profiler with it)
+    # H200, 2026-12-01, the decode state's step at batch 5 went from 10.7 to 6.7 ms under the profiler with it)
     draft_extend_graphs: bool = True
 
     def __post_init__(self) -> None:
