@@ -88,6 +88,16 @@ def http(port, path, obj=None, t=10):
         return f.status, f.read().decode()
 
 
+def flush_cache(port):
+    """SGLang's /flush_cache: the radix cache emptied, so the next prompts are prefilled afresh at the probe's own
+    batch (True), not read from KV another batch computed (the warm-up's, at batch 8: 2026-12-01's identity probes
+    read the first 8 prompts' KV from there). False where the server refused (requests running) or failed."""
+    try:
+        return http(port, "/flush_cache", {}, t=30)[0] == 200
+    except Exception:  # noqa: BLE001 - urllib raises on 400
+        return False
+
+
 def start_server(model, port, args, env, logpath):
     """`python3 -m sglang.launch_server` on 127.0.0.1:port, output to logpath: {"port", "proc", "log", "t", "cmd"}."""
     cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", model, "--port", str(port)] + args
@@ -530,11 +540,13 @@ def main():
                                             a.new_tokens))
             srv["learn_s"] = round(time.time() - t_learn, 1)
             log(f"specctl learned for {srv['learn_s']} s; policy:", json.dumps(sv["side"].status()["policy"]["table"])[:600])
+        srv["identity_cache_flushed"] = flush_cache(sv["port"])
         outs, _ = asyncio.run(closed_loop(sv["port"], mixed[:16], a.identity_c, 16, a.identity_tokens, stream=False))
         result["identity"][pol] = {o.get("pid"): o.get("ids") for o in outs}
         if pol == "off":  # how close each of the reference's choices was (a pass of its own: the ids above
             # come from requests without logprobs, as every server's do; a spec server would run logprob steps
             # through its trivial verify, so only the no-spec server is asked)
+            srv["identity_cache_flushed"] &= flush_cache(sv["port"])
             outs, _ = asyncio.run(closed_loop(sv["port"], mixed[:16], a.identity_c, 16, a.identity_tokens,
                                               stream=False, top2=True))
             result["identity_margins"] = {o.get("pid"): o.get("top2") for o in outs}

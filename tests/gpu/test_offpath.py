@@ -158,6 +158,8 @@ def test_call_d_runs_end_to_end_against_the_stand_in_and_makes_the_record(tmp_pa
     assert len(bench["identity_margins"]) == 16 and bench["identity_margins_ids_same"] == 16
     assert all(len(m) == 24 and all(x is not None and x > 0 for x in m) for m in bench["identity_margins"].values())
     assert "median_margin" in bench["identity"][O.DECODE_STATE]
+    # every server's identity prompts prefilled afresh (the warm-up's KV flushed from the radix cache)
+    assert all(bench["servers"][p]["identity_cache_flushed"] is True for p in pols)
     prof = bench["profiles"][f"{O.DECODE_STATE}@4"]  # the stand-in's trace: 6 steps, one 6 ms kernel each
     assert prof["steps"] == 5 and prof["median"]["gpu_busy_ms"] == 6.0 and prof["median"]["graph_launches"] == 1
     assert not [p for p in os.listdir(out) if p.startswith("trace-")]  # the raw trace is not kept

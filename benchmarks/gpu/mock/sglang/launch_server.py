@@ -29,6 +29,11 @@ class H(BaseHTTPRequestHandler):
         self.send_response(200); self.end_headers(); self.wfile.write(b"ok")
     def do_POST(self):
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        if self.path == "/flush_cache":  # SGLang: the radix cache emptied (refused while requests run)
+            ok = state["running"] == 0
+            print("Cache flushed successfully!" if ok else "Cache not flushed: requests are running", flush=True)
+            self.send_response(200 if ok else 400); self.end_headers(); self.wfile.write(b"flushed" if ok else b"busy")
+            return
         if self.path == "/start_profile":  # a small chrome trace of body["num_steps"] decode steps, as SGLang writes it
             import gzip, os
             ev = []
