@@ -91,11 +91,16 @@ def http(port, path, obj=None, t=10):
 def flush_cache(port):
     """SGLang's /flush_cache: the radix cache emptied, so the next prompts are prefilled afresh at the probe's own
     batch (True), not read from KV another batch computed (the warm-up's, at batch 8: 2026-12-01's identity probes
-    read the first 8 prompts' KV from there). False where the server refused (requests running) or failed."""
-    try:
-        return http(port, "/flush_cache", {}, t=30)[0] == 200
-    except Exception:  # noqa: BLE001 - urllib raises on 400
-        return False
+    read the first 8 prompts' KV from there). SGLang refuses while requests run (the last ones of a closed loop
+    can still be leaving): a few tries. False where every try was refused or failed."""
+    for _ in range(10):
+        try:
+            if http(port, "/flush_cache", {}, t=30)[0] == 200:
+                return True
+        except Exception:  # noqa: BLE001 - urllib raises on 400
+            pass
+        time.sleep(0.3)
+    return False
 
 
 def start_server(model, port, args, env, logpath):
@@ -331,12 +336,14 @@ async def resync_probe(port, log_path, probes, fillers, *, probe_tokens=2400, of
             "probe_c": len(probes), "filler_c": filler_c}
 
 
-def profile_server(port, out_dir, name, c, items, steps=40, new_tokens=1024, wait_s=120.0):
+def profile_server(port, out_dir, name, c, items, steps=40, new_tokens=1024, wait_s=120.0, churn=False):
     """A torch profile of `steps` forward steps of one server under a closed loop at concurrency c (SGLang's
     /start_profile: CPU + GPU activities, no stacks or shapes), reduced here by trace_steps.py to
     OUT/prof-<name>-c<c>.json; the raw trace (tens of MB) is deleted. The reduction, or {"error": ...}.
     The load ignores EOS, so all c requests are still decoding when the profile starts (2026-12-01, without:
-    the c=16 profiles caught batches of 5 and 6)."""
+    the c=16 profiles caught batches of 5 and 6). churn: instead, a closed loop of 8c requests of new_tokens that
+    end at EOS, so requests finish and arrive between steps as in the phase workload (trace_steps'
+    `prefill_windows`: what the steps around the prefills cost)."""
     import glob
     import threading
 
@@ -347,7 +354,10 @@ def profile_server(port, out_dir, name, c, items, steps=40, new_tokens=1024, wai
 
     def load():
         while not stop.is_set():
-            asyncio.run(closed_loop(port, items, c, c, new_tokens, ignore_eos=True))
+            if churn:
+                asyncio.run(closed_loop(port, items, c, 8 * c, new_tokens))
+            else:
+                asyncio.run(closed_loop(port, items, c, c, new_tokens, ignore_eos=True))
 
     th = threading.Thread(target=load, daemon=True)
     th.start()
@@ -435,7 +445,9 @@ def main():
     ap.add_argument("--resync", default="", help="comma list of policies (threshold:5-like, speculating at c=4, "
                                                  "off at c=64) to run resync_probe on, before anything else")
     ap.add_argument("--profile", default="", help="comma list of POLICY@C: a torch profile of that server at "
-                                                 "concurrency C after its warm-up, reduced by trace_steps.py")
+                                                 "concurrency C after its warm-up, reduced by trace_steps.py (all C "
+                                                 "requests decoding); POLICY@C:churn: requests of --new-tokens ending "
+                                                 "at EOS and arriving between steps, as in the phase workload")
     ap.add_argument("--profile-steps", type=int, default=40, help="forward steps per profile")
     ap.add_argument("--resync-off-s", type=float, default=30.0, help="the plain-decode stretch of the resync probe (s)")
     ap.add_argument("--resync-probe-tokens", type=int, default=2400,
@@ -653,11 +665,14 @@ def main():
             live = [sv for sv in live if not sv.get("retired")]
             for spec in (x for x in a.profile.split(",") if x):
                 pol, c = spec.rsplit("@", 1)
+                c, churn = (c[:-len(":churn")], True) if c.endswith(":churn") else (c, False)
                 for sv in (sv for sv in live if sv["policy"] == pol):
                     if time.time() > deadline - 150:
                         log("deadline: no profile", spec)
                         break
-                    r = profile_server(sv["port"], a.out, pol.replace(":", "_"), int(c), mixed, a.profile_steps)
+                    r = profile_server(sv["port"], a.out, pol.replace(":", "_") + ("-churn" if churn else ""), int(c),
+                                       mixed, a.profile_steps, **({"new_tokens": a.new_tokens, "churn": True}
+                                                                  if churn else {}))
                     result.setdefault("profiles", {})[spec] = r
                     log(f"profile {spec}:", json.dumps({k: r.get(k) for k in ("steps", "median", "error") if k in r}))
             if a.interleave and a.phase_first:

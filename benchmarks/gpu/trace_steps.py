@@ -11,7 +11,9 @@ A step is the span from one target forward's `step[DECODE bs=N]` / `step[TARGET_
     calls (…Synchronize, blocking cudaMemcpy), kernel and graph launches;
   - where the scheduler's time goes: inclusive time per user annotation (scheduler.run_batch, draft_extend, …)
     and per CPU op name; the GPU's top kernels.
-Steps whose window holds a prefill (an EXTEND annotation) are left out. Medians over the steps kept.
+Steps whose window holds a prefill (an EXTEND annotation) are left out of the medians; `prefill_windows` says
+what they cost: how many, their median wall, and their share of the profiled wall (where a server under churn —
+requests ending and arriving, as in the phase workload — spends its time outside plain decode steps).
 """
 from __future__ import annotations
 
@@ -92,7 +94,7 @@ def reduce_events(events: list[dict], label: str = "") -> dict[str, Any]:
     gpu_ts = [g["ts"] for g in gpu]
     ann_s = [e for e in ann if tkey(e) == sched and not STEP_RE.match(e["name"])]
     cpu_ops = [e for e in X if e.get("cat") == "cpu_op" and tkey(e) == sched]
-    rows, skipped = [], 0
+    rows, skipped, pre_ms = [], 0, []
     by_ann: collections.Counter = collections.Counter()
     by_op: collections.Counter = collections.Counter()
     by_kernel: collections.Counter = collections.Counter()
@@ -100,6 +102,7 @@ def reduce_events(events: list[dict], label: str = "") -> dict[str, Any]:
         c0, c1 = target[k]["ts"], target[k + 1]["ts"]
         if bisect.bisect_right(extend, c1) - bisect.bisect_left(extend, c0):
             skipped += 1
+            pre_ms.append((c1 - c0) / 1000.0)
             continue
         row: dict[str, Any] = {"bs": int(STEP_RE.match(target[k]["name"]).group(2) or 0), "cpu_window_ms": (c1 - c0) / 1000.0}
         a, b = bisect.bisect_left(rt_ts, c0), bisect.bisect_left(rt_ts, c1)
@@ -126,6 +129,10 @@ def reduce_events(events: list[dict], label: str = "") -> dict[str, Any]:
         rows.append(row)
     n = len(rows)
     res.update(steps=n, skipped_for_prefill=skipped, scheduler_thread=list(sched))
+    wall = (target[-1]["ts"] - target[0]["ts"]) / 1000.0
+    res["prefill_windows"] = {"n": skipped, "cpu_window_ms_median": _med(pre_ms),
+                              "share_of_wall": round(sum(pre_ms) / wall, 4) if wall > 0 else None,
+                              "wall_ms": round(wall, 3)}
     if not n:
         res["error"] = "no step without a prefill"
         return res

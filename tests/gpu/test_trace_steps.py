@@ -54,6 +54,9 @@ def test_a_known_trace_reduces_to_its_figures():
     assert r["cpu_ops_ms_per_step"] == {"aten::to": 0.35}
     assert r["gpu_kernels_ms_per_step"]["attn"] == pytest.approx(3.5)
     assert r["batch_sizes"] == {4: 2} and r["per_step_gpu_window_ms"] == [10.0, 10.0]
+    # the window holding the prefill (20 -> 30 ms) is one of three between the four steps: 10 of 30 ms
+    assert r["prefill_windows"] == {"n": 1, "cpu_window_ms_median": 10.0, "share_of_wall": pytest.approx(1 / 3, abs=1e-4),
+                                    "wall_ms": 30.0}
 
 
 def test_overlapping_gpu_ops_count_once():
