@@ -290,10 +290,10 @@ def phase_summary(outs, phases, t_first):
     for k, ph in enumerate(phases):
         lo, hi = t, t + ph["duration_s"]
         t = hi
-        if k == len(phases) - 1:
+        last = k == len(phases) - 1
+        if last:
             hi = max(hi, last_end)
         sent = [o for o in outs if o.get("phase") == k and "error" not in o and o.get("tokens")]
-        last = k == len(phases) - 1
         done = [o for o in outs if "error" not in o and o.get("tokens")
                 and lo <= o.get("t_end", -1) and (o["t_end"] <= hi if last else o["t_end"] < hi)]
         tpot = [1000.0 * (o["latency"] - (o["ttft"] or 0)) / (o["tokens"] - 1) for o in sent if o["tokens"] > 1]

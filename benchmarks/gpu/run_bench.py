@@ -253,12 +253,11 @@ async def traced_request(session, port, ids, new, trace):
 def log_accept(text, running, min_tokens):
     """Mean `accept len` of SGLang's Decode-batch lines with exactly `running` requests holding at least
     min_tokens KV tokens (#token), and how many lines that is: the accept length at those positions."""
-    from benchlib import R_ACC, R_RUN, R_TOK
     acc = []
     for ln in text.splitlines():
         if "Decode batch" not in ln:
             continue
-        a, b, t = R_RUN.search(ln), R_ACC.search(ln), R_TOK.search(ln)
+        a, b, t = B.R_RUN.search(ln), B.R_ACC.search(ln), B.R_TOK.search(ln)
         if a and b and t and int(a.group(1)) == running and int(t.group(1)) >= min_tokens:
             acc.append(float(b.group(1)))
     return (round(sum(acc) / len(acc), 4) if acc else None), len(acc)
