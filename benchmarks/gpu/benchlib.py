@@ -406,6 +406,52 @@ def policy_flaps(policy):
             for b, rows in groups.items()}
 
 
+def prefill_report(probes, ref_policy="off"):
+    """probes: {policy: {prompt id: {"prompt_lp": [log p of each prompt token after the first], "first_top2":
+    [[logprob, token id], ...]}}} (run_bench's prefill probe) -> per policy against `ref_policy`: how many prompts'
+    prefill log-probabilities are bit-for-bit the reference's (`identical`), the largest and the median of the
+    prompts' largest |difference|, the share of positions that differ at all, the first position that differs per
+    prompt, and how many first output tokens match (`first_token_same`) with the largest |difference| of their
+    log-probability. Equal prefills and a later parting put the cause in the decode steps; unequal ones, in the
+    prefill (what the speculative server's target forward does differently)."""
+    ref = probes.get(ref_policy) or {}
+    rep = {}
+    for pol, per in probes.items():
+        if pol == ref_policy or not ref:
+            continue
+        n = same = tok_same = pos = pos_diff = 0
+        worst, first, tok_d = [], {}, []
+        for pid, x in per.items():
+            r = ref.get(pid)
+            a, b = (x or {}).get("prompt_lp"), (r or {}).get("prompt_lp")
+            if not a or not b or len(a) != len(b) or any(v is None for v in a + b):
+                continue
+            n += 1
+            d = [abs(u - v) for u, v in zip(a, b)]
+            pos += len(d)
+            pos_diff += sum(1 for v in d if v > 0)
+            worst.append(max(d))
+            if max(d) == 0:
+                same += 1
+            else:
+                first[pid] = next(i for i, v in enumerate(d) if v > 0)
+            ta, tb = (x or {}).get("first_top2") or [], (r or {}).get("first_top2") or []
+            if ta and tb:
+                tok_same += ta[0][1] == tb[0][1]
+                if ta[0][1] == tb[0][1] and ta[0][0] is not None and tb[0][0] is not None:
+                    tok_d.append(abs(ta[0][0] - tb[0][0]))
+        if not n:
+            rep[pol] = None
+            continue
+        worst.sort()
+        rep[pol] = {"prompts": n, "identical": same, "max_abs_diff": round(worst[-1], 6),
+                    "median_max_abs_diff": round(worst[len(worst) // 2], 6),
+                    "positions_differing": round(pos_diff / pos, 4) if pos else None,
+                    "first_differing_position": first, "first_token_same": tok_same,
+                    "first_token_max_abs_diff": round(max(tok_d), 6) if tok_d else None}
+    return rep
+
+
 def identity_report(outputs, ref_policy="off", margins=None):
     """outputs: {policy: {prompt id: greedy output ids}} -> per policy, how many prompts match `ref_policy`'s
     token for token and where the first differing token is (None where identical). With margins ({prompt id:

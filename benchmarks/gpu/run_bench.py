@@ -147,14 +147,26 @@ def top2_margins(meta):
             for t in meta.get("output_top_logprobs") or []]
 
 
-async def one_request(session, port, ids, new, out, stream=True, pid=None, top2=False, ignore_eos=False):
+def prompt_logprobs(meta):
+    """(log p of every prompt token after the first, from the prefill's logits; the first output token's top-2
+    as [[logprob, id], ...]) from SGLang's meta_info of a logprob_start_len=0 request."""
+    lp = [t[0] for t in (meta.get("input_token_logprobs") or [])[1:]]
+    top = (meta.get("output_top_logprobs") or [None])[0] or []
+    return lp, [[t[0], t[1]] for t in top[:2]]
+
+
+async def one_request(session, port, ids, new, out, stream=True, pid=None, top2=False, ignore_eos=False,
+                      prefill_lp=False):
     """Streaming /generate; records ttft, latency, tokens, verify count (stream=False: also the output ids, and
-    with top2 the top-1 minus top-2 log-probability of every output position)."""
+    with top2 the top-1 minus top-2 log-probability of every output position; with prefill_lp the prompt's
+    log-probabilities from the prefill, `prompt_lp`, and the first output token's top-2, `first_top2`)."""
     body = {"input_ids": ids, "sampling_params": {"temperature": 0, "max_new_tokens": new}, "stream": stream}
     if ignore_eos:
         body["sampling_params"]["ignore_eos"] = True
     if top2:
         body.update(return_logprob=True, top_logprobs_num=2)
+    if prefill_lp:
+        body.update(return_logprob=True, top_logprobs_num=2, logprob_start_len=0)
     t = time.perf_counter()
     ttft, meta, text_ids = None, {}, []
     try:
@@ -164,6 +176,8 @@ async def one_request(session, port, ids, new, out, stream=True, pid=None, top2=
             out.append({"ttft": None, "latency": time.perf_counter() - t, "tokens": o["meta_info"].get("completion_tokens", 0),
                         "verify_ct": o["meta_info"].get("spec_verify_ct"), "t_end": time.time(), "ids": o.get("output_ids"),
                         "pid": pid, **({"top2": top2_margins(o["meta_info"])} if top2 else {})})
+            if prefill_lp:
+                out[-1]["prompt_lp"], out[-1]["first_top2"] = prompt_logprobs(o["meta_info"])
             return
         async with session.post(f"http://127.0.0.1:{port}/generate", json=body) as r:
             async for raw in r.content:
@@ -186,14 +200,15 @@ async def one_request(session, port, ids, new, out, stream=True, pid=None, top2=
         out.append({"error": repr(e)[:200], "t_end": time.time()})
 
 
-async def closed_loop(port, items, conc, n_req, new, stream=True, top2=False, ignore_eos=False):
+async def closed_loop(port, items, conc, n_req, new, stream=True, top2=False, ignore_eos=False, prefill_lp=False):
     import aiohttp
     out, it = [], iter(items * (1 + n_req // max(1, len(items))))
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=900)) as s:
         async def worker(k):
             for _ in range(k):
                 x = next(it)
-                await one_request(s, port, x["ids"], new, out, stream, x.get("id"), top2=top2, ignore_eos=ignore_eos)
+                await one_request(s, port, x["ids"], new, out, stream, x.get("id"), top2=top2, ignore_eos=ignore_eos,
+                                  prefill_lp=prefill_lp)
         per = [n_req // conc + (1 if i < n_req % conc else 0) for i in range(conc)]
         t = time.time()
         await asyncio.gather(*[worker(k) for k in per if k])
@@ -563,6 +578,15 @@ def main():
             result["identity_margins"] = {o.get("pid"): o.get("top2") for o in outs}
             result["identity_margins_ids_same"] = sum(1 for o in outs
                                                       if o.get("ids") == result["identity"]["off"].get(o.get("pid")))
+        # the prefill alone (one output token), its logits kept for every prompt position: do the servers'
+        # prefills agree, so that any later parting is the decode steps'? (2026-12-01: speculating, adaptive and
+        # the decode state all parted from the no-spec server at the same positions)
+        srv["prefill_cache_flushed"] = flush_cache(sv["port"])
+        outs, _ = asyncio.run(closed_loop(sv["port"], mixed[:16], a.identity_c, 16, 1, stream=False,
+                                          prefill_lp=True))
+        result.setdefault("prefill_lp", {})[pol] = {o.get("pid"): {"prompt_lp": o.get("prompt_lp"),
+                                                                   "first_top2": o.get("first_top2")}
+                                                    for o in outs if "error" not in o}
         if a.accept_eval and pol != "off":
             acc = {}
             for name, items in (("mtbench", mtb), ("humaneval", he)):
@@ -717,6 +741,12 @@ def main():
     outputs = result["identity"]
     result["identity"] = identity_report(outputs, margins=result.get("identity_margins"))
     result["identity_ids"] = outputs  # every policy's greedy output ids: where two part, and to what
+    if result.get("prefill_lp"):
+        result["prefill_identity"] = B.prefill_report(result["prefill_lp"])
+        for per in result["prefill_lp"].values():  # the report keeps what matters; the first tokens stay
+            for x in per.values():
+                x.pop("prompt_lp", None)
+        log("prefill vs off:", json.dumps(result["prefill_identity"])[:1500])
     trees = sorted({p for p in outputs if p.startswith("static:") and parse_policy(p)["config"][1] > 1})
     for ref in trees:  # a tree's own greedy outputs: what specctl:TREE and threshold:T:TREE should reproduce
         result[f"identity_vs_{ref}"] = identity_report(outputs, ref)

@@ -160,6 +160,15 @@ def test_call_d_runs_end_to_end_against_the_stand_in_and_makes_the_record(tmp_pa
     assert "median_margin" in bench["identity"][O.DECODE_STATE]
     # every server's identity prompts prefilled afresh (the warm-up's KV flushed from the radix cache)
     assert all(bench["servers"][p]["identity_cache_flushed"] is True for p in pols)
+    # the prefill probe: the stand-in's speculative prefills part from the plain one's at prompt position 2 of
+    # every other prompt (log p of the third token, the second the list holds)
+    pre = bench["prefill_identity"]
+    assert set(pre) == set(pols) - {O.NO_SPEC_POLICY}
+    for rep in pre.values():
+        assert rep["prompts"] == 16 and 0 < rep["identical"] < 16 and rep["max_abs_diff"] > 0
+        assert set(rep["first_differing_position"].values()) == {2} and rep["first_token_same"] == 16
+    assert all(bench["servers"][p]["prefill_cache_flushed"] is True for p in pols)
+    assert all("prompt_lp" not in x for per in bench["prefill_lp"].values() for x in per.values())
     prof = bench["profiles"][f"{O.DECODE_STATE}@4"]  # the stand-in's trace: 6 steps, one 6 ms kernel each
     assert prof["steps"] == 5 and prof["median"]["gpu_busy_ms"] == 6.0 and prof["median"]["graph_launches"] == 1
     churn = bench["profiles"][f"{O.NO_SPEC_POLICY}@4:churn"]  # requests ending and arriving: the same reduction

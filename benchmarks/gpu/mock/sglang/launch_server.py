@@ -74,6 +74,12 @@ class H(BaseHTTPRequestHandler):
                 if body.get("return_logprob"):  # top-k log-probabilities per output position: [[logprob, id, text], ...]
                     k = body.get("top_logprobs_num", 1)
                     meta["output_top_logprobs"] = [[[-0.1 * (j + 1) - (i % 3), t + j, None] for j in range(k)] for i, t in enumerate(ids)]
+                    if body.get("logprob_start_len") == 0:  # the prompt's, from the prefill: [logprob, id, text]
+                        # (None for the first token); a speculative server's prefill parts from the plain one's
+                        # at position 2 of every other prompt, as a stand-in for a target forward that differs
+                        part = spec and sum(body["input_ids"]) % 2 == 0
+                        meta["input_token_logprobs"] = [[None if i == 0 else -0.01 * (t % 7) - (1e-4 if part and i == 3 else 0), t, None]
+                                                        for i, t in enumerate(body["input_ids"])]
                 o = json.dumps({"text": "x", "output_ids": ids, "meta_info": meta}).encode()
                 self.send_response(200); self.send_header("Content-Type", "application/json"); self.send_header("Content-Length", str(len(o))); self.end_headers(); self.wfile.write(o)
         finally:
