@@ -81,14 +81,21 @@ def step_costs(runs: list[dict]) -> list[dict]:
 
 def build(benches: list[dict], calls: list[str]) -> dict:
     first = benches[0]
-    runs = [r for b in benches for r in b.get("runs", [])]
+    # a call's runs are either step-cost rounds (the no-spec server beside the decode state / the trivial
+    # verify) or a sweep (specctl and the statics beside the no-spec server); each call's no-spec runs
+    # belong to its own kind, so a sweep's single round never stands in a step-cost median or the reverse
+    def kind(b: dict) -> str:
+        pols = {r["policy"] for r in b.get("runs", [])}
+        return "sweep" if pols - set(STEP_POLICIES) else "steps"
+    step_runs = [r for b in benches if kind(b) == "steps" for r in b.get("runs", [])]
+    sweep_runs = [r for b in benches if kind(b) == "sweep" for r in b.get("runs", [])]
     phase = [r for b in benches for r in b.get("phase_runs", [])]
     rec = {"gpu": first.get("gpu"), "sglang": first.get("sglang"), "attention_backend": "triton",
            "model": first.get("model"), "draft": first.get("draft"), "calls": calls,
-           "step_costs": step_costs(runs),
+           "step_costs": step_costs(step_runs),
            "sweep": [{"concurrency": r["concurrency"], "policy": issue_name(shipped(r["policy"])),
                       "output_tokens_per_s": r.get("output_tokens_per_s")}
-                     for r in runs if r["policy"] == "off" or r["policy"] not in STEP_POLICIES],
+                     for r in sweep_runs if r["policy"] == "off" or r["policy"] not in STEP_POLICIES],
            "phase_runs": [], "identity": None, "resync": None}
     seen: dict[str, int] = {}
     for r in phase:
@@ -104,6 +111,12 @@ def build(benches: list[dict], calls: list[str]) -> dict:
             rec["identity"] = {"prompts": ident["of"], "identical": ident["identical"],
                                "first_divergence": ident.get("first_divergence", {}),
                                "concurrency": b.get("identity_concurrency")}
+        if b.get("prefill_identity") and rec.get("prefill_identity") is None:
+            # run_bench's prefill probe: the prompts' log-probabilities against the no-spec server's
+            rec["prefill_identity"] = b["prefill_identity"]
+            if ident and b.get("identity_margins"):
+                rec["identity"]["margin_at_divergence"] = ident.get("margin_at_divergence", {})
+                rec["identity"]["median_margin"] = ident.get("median_margin")
         rs = {shipped(k): v for k, v in (b.get("resync") or {}).items()}
         if RESYNC in rs or RESYNC_SKIP in rs:
             a, s = rs.get(RESYNC) or {}, rs.get(RESYNC_SKIP) or {}
