@@ -81,21 +81,23 @@ def step_costs(runs: list[dict]) -> list[dict]:
 
 def build(benches: list[dict], calls: list[str]) -> dict:
     first = benches[0]
-    # a call's runs are either step-cost rounds (the no-spec server beside the decode state / the trivial
-    # verify) or a sweep (specctl and the statics beside the no-spec server); each call's no-spec runs
-    # belong to its own kind, so a sweep's single round never stands in a step-cost median or the reverse
-    def kind(b: dict) -> str:
-        pols = {r["policy"] for r in b.get("runs", [])}
-        return "sweep" if pols - set(STEP_POLICIES) else "steps"
-    step_runs = [r for b in benches if kind(b) == "steps" for r in b.get("runs", [])]
-    sweep_runs = [r for b in benches if kind(b) == "sweep" for r in b.get("runs", [])]
+    # a call's no-spec runs are the reference of the step costs only if the call ran a decode state or the
+    # trivial verify beside them, and of the sweep only if it ran specctl or a static beside them: a sweep's
+    # single round never stands in a step-cost median (the rounds of one call are what the ratio is of)
+    step_runs, sweep_runs = [], []
+    for b in benches:
+        runs = b.get("runs", [])
+        pols = {r["policy"] for r in runs}
+        has_steps, has_sweep = bool(pols & (set(STEP_POLICIES) - {"off"})), bool(pols - set(STEP_POLICIES))
+        step_runs += [r for r in runs if r["policy"] in STEP_POLICIES and (r["policy"] != "off" or has_steps)]
+        sweep_runs += [r for r in runs if r["policy"] not in STEP_POLICIES or (r["policy"] == "off" and has_sweep)]
     phase = [r for b in benches for r in b.get("phase_runs", [])]
     rec = {"gpu": first.get("gpu"), "sglang": first.get("sglang"), "attention_backend": "triton",
            "model": first.get("model"), "draft": first.get("draft"), "calls": calls,
            "step_costs": step_costs(step_runs),
            "sweep": [{"concurrency": r["concurrency"], "policy": issue_name(shipped(r["policy"])),
                       "output_tokens_per_s": r.get("output_tokens_per_s")}
-                     for r in sweep_runs if r["policy"] == "off" or r["policy"] not in STEP_POLICIES],
+                     for r in sweep_runs],
            "phase_runs": [], "identity": None, "resync": None}
     seen: dict[str, int] = {}
     for r in phase:

@@ -209,3 +209,16 @@ def test_phase_targets_compare_specctl_phase_by_phase():
     assert t["phase_each_vs_best_ge_0.97"] == {"0": round(105 / 120, 4), "1": round(490 / 520, 4)}
     assert t["phase_low_c_tpot_vs_no_spec_le_0.90"] == {"0": 0.85}  # only the c <= 8 phase
     assert O.phase_targets([run("no-spec", (1, 1), (1, 1))]) == {}
+
+
+def test_a_sweeps_no_spec_round_stays_out_of_another_calls_step_costs():
+    """2026-12-02: D1 (3 rounds of off beside the decode state) and F (a sweep, one round of off beside specctl and
+    the statics) in one record: the step costs are D1's rounds alone, the sweep's envelope F's runs alone."""
+    d1 = {"runs": [_row("off", 1, [6.1, 6.2, 6.15]), _row(O.DECODE_STATE, 1, [6.5, 6.6, 6.55])]}
+    f = {"runs": [_row("off", 1, [9.0], 150.0), _row("specctl", 1, [], 180.0), _row("static:s3", 1, [], 178.0)]}
+    rec = O.build([d1, f], ["D1", "F"])
+    sc = rec["step_costs"][0]
+    assert sc["no_spec_ms"] == 6.15 and sc["rounds"] == 3 and sc["off_state_ms"] == 6.55
+    assert sorted((r["policy"], r["output_tokens_per_s"]) for r in rec["sweep"]) == [
+        ("no-spec", 150.0), ("specctl", 180.0), ("static:s3", 178.0)]
+    assert rec["targets"]["sweep_specctl_vs_envelope_ge_0.98"] == {"1": round(180 / 178, 4)}
