@@ -19,6 +19,7 @@ VERIFY_OFF = "+verify"  # plugin policy suffix: SPECCTL_PLAIN_DECODE=off (steps 
 DE_GRAPHS = "+deg"  # plugin policy suffix: SPECCTL_DRAFT_EXTEND_GRAPHS=on (each chain state's draft extend in its own graph;
 #                     the plugin's default since 2026-12-01: kept so that that lease's commands still mean what they did)
 NO_DE_GRAPHS = "+nodeg"  # plugin policy suffix: SPECCTL_DRAFT_EXTEND_GRAPHS=off (0.5.17's launch-width graphs: the control)
+SPLITKV = "+splitkv"  # plugin policy suffix: SPECCTL_SPLITKV_VERIFY=on (SGLang's split-KV verify kernel for topk-1 chains)
 
 
 def parse_policy(pol):
@@ -32,9 +33,9 @@ def parse_policy(pol):
     Any speculative policy may end in +skipde: the server runs with SGLANG_SPEC_SKIP_ZERO_STEP_DRAFT_EXTEND=1
     (its steps-0 state no longer extends the draft; an upshift then drafts from stale state); a plugin policy
     in +verify (SPECCTL_PLAIN_DECODE=off), +deg (SPECCTL_DRAFT_EXTEND_GRAPHS=on, the default) and +nodeg
-    (SPECCTL_DRAFT_EXTEND_GRAPHS=off), in any order."""
+    (SPECCTL_DRAFT_EXTEND_GRAPHS=off) and +splitkv (SPECCTL_SPLITKV_VERIFY=on), in any order."""
     base, suffixes = pol, set()
-    for suffix in (SKIP_DE, VERIFY_OFF, NO_DE_GRAPHS, DE_GRAPHS) * 4:
+    for suffix in (SKIP_DE, VERIFY_OFF, NO_DE_GRAPHS, DE_GRAPHS, SPLITKV) * 5:
         if base.endswith(suffix):
             base, _ = base[:-len(suffix)], suffixes.add(suffix)
     p = _parse_policy(base)
@@ -54,6 +55,10 @@ def parse_policy(pol):
         if p["kind"] not in ("specctl", "plugin-fixed") or DE_GRAPHS in suffixes:
             raise ValueError(f"{pol!r}: {NO_DE_GRAPHS} needs a plugin policy without {DE_GRAPHS}")
         p["draft_extend_graphs"] = False
+    if SPLITKV in suffixes:
+        if p["kind"] not in ("specctl", "plugin-fixed"):
+            raise ValueError(f"{pol!r}: {SPLITKV} needs a plugin policy (the plugin turns the kernel on)")
+        p["splitkv_verify"] = True
     return p
 
 
@@ -144,6 +149,8 @@ def policy_launch_args(pol, draft, specctl_max_steps=3):
         env = dict(env, SPECCTL_PLAIN_DECODE="off")
     if p.get("draft_extend_graphs") is not None:
         env = dict(env, SPECCTL_DRAFT_EXTEND_GRAPHS="on" if p["draft_extend_graphs"] else "off")
+    if p.get("splitkv_verify"):
+        env = dict(env, SPECCTL_SPLITKV_VERIFY="on")
     return args, env, cfg
 
 

@@ -125,6 +125,9 @@ def build(benches: list[dict], calls: list[str]) -> dict:
             rec["resync"] = {"accept_before": a.get("accept_before"), "accept_after": a.get("accept_after"),
                              "accept_after_skip_control": s.get("accept_after"),
                              "accept_before_skip_control": s.get("accept_before"),
+                             # the reference continued from the run's own text (run_bench.resync_probe, stage 3)
+                             "accept_same_text": a.get("accept_same_text"),
+                             "accept_same_text_skip_control": s.get("accept_same_text"),
                              "off_stretch_s": a.get("off_stretch_s"), "details": rs}
     profiles = {k: v for b in benches for k, v in (b.get("profiles") or {}).items()}
     if profiles:  # trace_steps.py's reductions (per-step medians: GPU busy / idle, syncs, launches)

@@ -249,10 +249,11 @@ async def phase_loop(port, pools, phases, new, seed=0):
         return out, time.time() - t_start, t_start
 
 
-async def traced_request(session, port, ids, new, trace):
+async def traced_request(session, port, ids, new, trace, out_ids=None):
     """Streaming /generate with ignore_eos: every chunk's completion_tokens into trace; the last entry is
     (completion_tokens, spec_verify_ct) of the finished request (SGLang 0.5.17 reports spec_verify_ct only
-    when a request finishes: tokenizer_manager's _calculate_spec_decoding_metrics)."""
+    when a request finishes: tokenizer_manager's _calculate_spec_decoding_metrics). With out_ids (a list): the
+    output ids, whether the chunks carry all ids so far (SGLang's default) or only the new ones."""
     body = {"input_ids": ids, "sampling_params": {"temperature": 0, "max_new_tokens": new, "ignore_eos": True},
             "stream": True}
     async with session.post(f"http://127.0.0.1:{port}/generate", json=body) as r:
@@ -260,9 +261,16 @@ async def traced_request(session, port, ids, new, trace):
             line = raw.decode().strip()
             if not line.startswith("data:") or line[5:].strip() == "[DONE]":
                 continue
-            m = json.loads(line[5:].strip()).get("meta_info", {})
+            o = json.loads(line[5:].strip())
+            m = o.get("meta_info", {})
             if m.get("completion_tokens") is not None:
                 trace.append((m["completion_tokens"], m.get("spec_verify_ct")))
+                got = o.get("output_ids")
+                if out_ids is not None and got is not None:
+                    if len(got) == m["completion_tokens"]:
+                        out_ids[:] = got
+                    else:
+                        out_ids.extend(got)
 
 
 def log_accept(text, running, min_tokens):
@@ -299,9 +307,14 @@ async def resync_probe(port, log_path, probes, fillers, *, probe_tokens=2400, of
     for off_s; the fillers then stop and drain, and the probes finish speculating at c=4 (the tail).
     accept_before / accept_after: the mean accept length of the server's Decode-batch lines at exactly 4 running
     requests holding at least T0 KV tokens, T0 = the probes' prompts + their tokens where the tail began: the same
-    positions in both runs (greedy, so the same tokens). The log, not the stream: SGLang reports a request's
-    verify count only when it finishes. A probe that finished during the plain stretch, or a tail shorter than
-    min_tail tokens, leaves the figures None (say why in `invalid`)."""
+    positions in both runs. The log, not the stream: SGLang reports a request's verify count only when it finishes.
+    Greedy text at batch 64 parts from batch 4's at bf16 near-ties, so after the stretch the reference's positions
+    hold other text (2026-12-02: the control without draft extend kept its acceptance). Hence (3), the reference
+    that can tell: with the radix cache flushed (so target and draft KV are prefilled afresh, in sync by
+    construction), each probe's prompt + the run's own tokens up to where its tail began, continued at c = 4 for
+    the tail's length: `accept_same_text` (its lines, all at >= T0) against accept_after, and per probe how many
+    leading tail tokens both continuations share (`same_text_tokens`). A probe that finished during the plain
+    stretch, or a tail shorter than min_tail tokens, leaves the figures None (say why in `invalid`)."""
     import aiohttp
     await asyncio.sleep(0.5)
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=900)) as s:
@@ -312,9 +325,10 @@ async def resync_probe(port, log_path, probes, fillers, *, probe_tokens=2400, of
         await asyncio.sleep(0.5)  # the reference's last log lines
         ref_text = _read_from(log_path, off0)
         run = [[] for _ in probes]
+        run_ids = [[] for _ in probes]
         t0 = time.time()
-        probe_tasks = [asyncio.ensure_future(traced_request(s, port, p["ids"], probe_tokens, tr))
-                       for p, tr in zip(probes, run)]
+        probe_tasks = [asyncio.ensure_future(traced_request(s, port, p["ids"], probe_tokens, tr, oi))
+                       for p, tr, oi in zip(probes, run, run_ids)]
         out, idx, inflight = [], 0, set()
         while time.time() - t0 < off_s and not any(t.done() for t in probe_tasks):
             while len(inflight) < filler_c:
@@ -332,6 +346,15 @@ async def resync_probe(port, log_path, probes, fillers, *, probe_tokens=2400, of
         await asyncio.gather(*probe_tasks)
         await asyncio.sleep(0.5)
         run_text = _read_from(log_path, tail_off)
+        # (3) the same-text reference: the run's own tokens before its tail, prefilled afresh, continued at c = 4
+        same = [[] for _ in probes]
+        same_ids = [[] for _ in probes]
+        flushed = await asyncio.get_running_loop().run_in_executor(None, flush_cache, port)
+        same_off = os.path.getsize(log_path)
+        await asyncio.gather(*[traced_request(s, port, p["ids"] + oi[:k], max(1, probe_tokens - k), tr, si)
+                               for p, oi, k, tr, si in zip(probes, run_ids, tail_from, same, same_ids)])
+        await asyncio.sleep(0.5)
+        same_text = _read_from(log_path, same_off)
     invalid = None
     if any(t >= probe_tokens for t in tail_from):
         invalid = "a probe finished during the plain-decode stretch (raise probe_tokens)"
@@ -340,9 +363,18 @@ async def resync_probe(port, log_path, probes, fillers, *, probe_tokens=2400, of
     t0_tokens = sum(len(p["ids"]) for p in probes) + sum(tail_from)
     before, n_before = log_accept(ref_text, len(probes), t0_tokens)
     after, n_after = log_accept(run_text, len(probes), t0_tokens)
+    same_acc, n_same = log_accept(same_text, len(probes), t0_tokens)
+    shared = []
+    for oi, k, si in zip(run_ids, tail_from, same_ids):
+        tail = oi[k:]
+        shared.append(next((i for i, (x, y) in enumerate(zip(tail, si)) if x != y), min(len(tail), len(si))))
+    if not all(len(oi) == probe_tokens for oi in run_ids):
+        invalid = invalid or "the run's output ids are incomplete (no same-text reference)"
     if invalid:
-        before = after = None
+        before = after = same_acc = None
     return {"accept_before": before, "accept_after": after, "lines_before": n_before, "lines_after": n_after,
+            "accept_same_text": same_acc, "lines_same_text": n_same, "same_text_tokens": shared,
+            "same_text_cache_flushed": flushed,
             "invalid": invalid, "tail_from_tokens": tail_from, "window_min_kv_tokens": t0_tokens,
             "probe_tokens": probe_tokens, "whole_request_accept_before": _whole_accept(ref),
             "whole_request_accept_after": _whole_accept(run), "off_stretch_s": round(off_stretch_s, 1),

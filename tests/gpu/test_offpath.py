@@ -33,9 +33,18 @@ def test_suffixes_set_the_plugin_servers_switches(pol, plain_off, skip, deg):
     assert env.get("SPECCTL_DRAFT_EXTEND_GRAPHS") == deg
 
 
+@pytest.mark.parametrize("pol,on", [("plugin-fixed:1000:s3+splitkv", True), ("specctl+splitkv+deg", True),
+                                    ("plugin-fixed:1000:s3", False)])
+def test_splitkv_suffix_turns_the_kernel_on(pol, on):
+    """+splitkv: SPECCTL_SPLITKV_VERIFY=on (issue 20's accept-length and identity checks: the same plugin server
+    with and without the kernel); without it the plugin's default (off) stands."""
+    _, env, _ = B.policy_launch_args(pol, "/d")
+    assert (env.get("SPECCTL_SPLITKV_VERIFY") == "on") is on
+
+
 @pytest.mark.parametrize("pol", ["off+verify", "static:s3+verify", "threshold:5:s3+verify", "sglang-adaptive+verify",
                                  "threshold:5:s3+deg", "static:s1+deg", "sglang-adaptive+nodeg",
-                                 "plugin-fixed:1:s3+deg+nodeg"])
+                                 "plugin-fixed:1:s3+deg+nodeg", "static:s3+splitkv", "threshold:5:s3+splitkv"])
 def test_verify_suffix_needs_the_plugin(pol):
     with pytest.raises(ValueError, match="plugin"):
         B.parse_policy(pol)
@@ -152,6 +161,9 @@ def test_call_d_runs_end_to_end_against_the_stand_in_and_makes_the_record(tmp_pa
         assert probe["fillers"] > 0 and probe["filler_errors"] == 0 and probe["probe_c"] == 4
         assert probe["invalid"] is None and probe["lines_before"] > 0 and probe["lines_after"] > 0
         assert probe["accept_before"] == probe["accept_after"] == 2.5  # the stand-in's s3 accept length
+        # the same-text reference: each probe's prompt + its run's tokens before the tail, prefilled afresh, at c = 4
+        assert probe["accept_same_text"] == 2.5 and probe["lines_same_text"] > 0
+        assert probe["same_text_cache_flushed"] is True and len(probe["same_text_tokens"]) == 4
         assert 0 < max(probe["tail_from_tokens"]) < 8000 - 200
     assert set(bench["identity_ids"]) == set(pols)
     # the no-spec server's margins, from a pass of their own whose ids are those of the plain pass
