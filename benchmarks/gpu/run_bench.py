@@ -267,7 +267,9 @@ async def traced_request(session, port, ids, new, trace, out_ids=None):
                 trace.append((m["completion_tokens"], m.get("spec_verify_ct")))
                 got = o.get("output_ids")
                 if out_ids is not None and got is not None:
-                    if len(got) == m["completion_tokens"]:
+                    # SGLang's default stream carries every id so far (a live reference: at times ahead of its
+                    # meta_info; the finished chunk is exact); an incremental stream only the new ones
+                    if len(got) >= m["completion_tokens"]:
                         out_ids[:] = got
                     else:
                         out_ids.extend(got)
