@@ -522,6 +522,9 @@ def main():
                     help="specctl: unmeasured closed-loop levels before the measurement (the daemon learns)")
     ap.add_argument("--specctl-site", default="/tmp/specctl_site")
     ap.add_argument("--prefill-graph", action="store_true", help="keep SGLang's prefill CUDA graphs (slow start)")
+    ap.add_argument("--request-stats", action="store_true",
+                    help="every server logs each finished request's queue time (SGLang's ReqTimeStats); the bench "
+                         "JSON summarises it per server (`request_stats`): how arrivals cluster, how long they wait")
     ap.add_argument("--port0", type=int, default=31000)
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
@@ -538,7 +541,8 @@ def main():
     maxc = B.max_concurrency(levels, [ph["concurrency"] for ph in phase_set] if a.phase else (), a.identity_c,
                              resync=bool(a.resync))
     memf = a.mem_fraction or round(0.8 / max(1, min(a.parallel, len(policies))), 3)
-    common = server_args(maxc, memf, max_total_tokens=a.max_total_tokens, prefill_graph=a.prefill_graph)
+    common = server_args(maxc, memf, max_total_tokens=a.max_total_tokens, prefill_graph=a.prefill_graph,
+                         request_stats=a.request_stats)
     plugin_pols = [p for p in policies if parse_policy(p)["kind"] in ("specctl", "plugin-fixed")]
     site = SC.make_site(a.specctl_site) if plugin_pols else None
     result = {"gpu": None, "sglang": "0.5.17", "model": "SmolLM2-135M-Instruct" + ("" if a.variant == "base" else f" zero-padded ({a.variant})"),
@@ -687,6 +691,11 @@ def main():
         kill_tree(sv["proc"])
         if sv.get("side"):
             finish_plugin_run(sv, result["servers"][sv["policy"]], a.out)
+        if a.request_stats:  # the whole log's requests (the phases' arrival times are in the phase runs' t_start)
+            try:
+                result["servers"][sv["policy"]]["request_stats"] = B.request_stats(open(sv["log"], errors="replace").read())
+            except OSError as e:
+                result["servers"][sv["policy"]]["request_stats"] = {"error": str(e)}
 
     while todo:
         group = []  # launch a group, wait until all of it is up (others idle with --sleep-on-idle while one runs)

@@ -152,7 +152,7 @@ def test_call_d_runs_end_to_end_against_the_stand_in_and_makes_the_record(tmp_pa
            "--identity-tokens", "24", "--resync", f"{O.RESYNC},{O.RESYNC_SKIP}", "--resync-off-s", "0.5",
            "--resync-probe-tokens", "8000", "--profile", f"{O.DECODE_STATE}@4,{O.NO_SPEC_POLICY}@4:churn", "--profile-steps", "6",
            "--parallel", "5", "--deadline-s", "300", "--out", str(out), "--prompts", bench_prompts,
-           "--tokenizer", "simple", "--specctl-site", str(tmp_path / "site"), "--port0", port0]
+           "--tokenizer", "simple", "--specctl-site", str(tmp_path / "site"), "--port0", port0, "--request-stats"]
     r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     bench = json.load(open(out / "bench-mock.json"))
@@ -172,6 +172,11 @@ def test_call_d_runs_end_to_end_against_the_stand_in_and_makes_the_record(tmp_pa
     assert "median_margin" in bench["identity"][O.DECODE_STATE]
     # every server's identity prompts prefilled afresh (the warm-up's KV flushed from the radix cache)
     assert all(bench["servers"][p]["identity_cache_flushed"] is True for p in pols)
+    # every server's finished requests, from their ReqTimeStats lines
+    for p in pols:
+        rs = bench["servers"][p]["request_stats"]
+        assert rs["requests"] > 16 and rs["queue_ms_median"] == 0.5 and rs["arrival_groups"] >= 1
+    assert all("--enable-request-time-stats-logging" in bench["servers"][p]["cmd"] for p in pols)
     # the prefill probe: the stand-in's speculative prefills part from the plain one's at prompt position 2 of
     # every other prompt (log p of the third token, the second the list holds)
     pre = bench["prefill_identity"]
@@ -234,3 +239,19 @@ def test_a_sweeps_no_spec_round_stays_out_of_another_calls_step_costs():
     assert sorted((r["policy"], r["output_tokens_per_s"]) for r in rec["sweep"]) == [
         ("no-spec", 150.0), ("specctl", 180.0), ("static:s3", 178.0)]
     assert rec["targets"]["sweep_specctl_vs_envelope_ge_0.98"] == {"1": round(180 / 178, 4)}
+
+
+def test_request_stats_reads_sglangs_lines_and_groups_arrivals():
+    """SGLang 0.5.17's Req.log_time_stats format (unified mode): queue times and how arrivals cluster (entries
+    less than 1 ms apart form one group)."""
+    line = ("[2026-12-02 01:31:18] ReqTimeStats(rid=abc, input_len={n}, cached_input_len={c}, output_len=128, "
+            "attempts=1, type=unified): queue_duration={q}ms, forward_duration=900.10ms, entry_time={t}")
+    text = "\n".join([line.format(n=100, c=90, q="2.00", t="1796168643.100"),
+                      line.format(n=100, c=90, q="4.00", t="1796168643.1004"),
+                      line.format(n=200, c=0, q="80.00", t="1796168643.200"),
+                      "[x] Decode batch, #running-req: 3, #token: 400"])
+    rs = B.request_stats(text)
+    assert rs["requests"] == 3 and rs["arrival_groups"] == 2 and rs["requests_per_group"] == 1.5
+    assert rs["queue_ms_median"] == 4.0 and rs["queue_ms_p90"] == 80.0
+    assert rs["cached_input_frac"] == round(180 / 400, 4)
+    assert B.request_stats("no such lines") is None

@@ -84,6 +84,10 @@ class H(BaseHTTPRequestHandler):
                 self.send_response(200); self.send_header("Content-Type", "application/json"); self.send_header("Content-Length", str(len(o))); self.end_headers(); self.wfile.write(o)
         finally:
             with lock: state["running"] -= 1; state["tokens"] -= len(body["input_ids"]) + grown
+            if "--enable-request-time-stats-logging" in args:  # as SGLang's Req.log_time_stats
+                print(f"[x] ReqTimeStats(rid=r{id(self)}, input_len={len(body['input_ids'])}, cached_input_len=0, "
+                      f"output_len={new}, attempts=1, type=unified): queue_duration=0.50ms, forward_duration=12.00ms, "
+                      f"entry_time={time.time():.3f}", flush=True)
 time.sleep(1)
 ThreadingHTTPServer.request_queue_size = 256  # a listen backlog for 64+ clients at once (the default 5 stalls them)
 ThreadingHTTPServer(("127.0.0.1", port), H).serve_forever()
