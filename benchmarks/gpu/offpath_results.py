@@ -129,6 +129,10 @@ def build(benches: list[dict], calls: list[str]) -> dict:
                              "accept_same_text": a.get("accept_same_text"),
                              "accept_same_text_skip_control": s.get("accept_same_text"),
                              "off_stretch_s": a.get("off_stretch_s"), "details": rs}
+    stats = {issue_name(shipped(k)): v["request_stats"] for b in benches for k, v in (b.get("servers") or {}).items()
+             if isinstance(v, dict) and v.get("request_stats")}
+    if stats:  # run_bench --request-stats: queue time and arrival clustering per server
+        rec["request_stats"] = stats
     profiles = {k: v for b in benches for k, v in (b.get("profiles") or {}).items()}
     if profiles:  # trace_steps.py's reductions (per-step medians: GPU busy / idle, syncs, launches)
         rec["profiles"] = {k: (v.get("median", v) if isinstance(v, dict) else v) for k, v in profiles.items()}
@@ -160,6 +164,14 @@ def targets(rec: dict) -> dict:
     t.update(phase_targets(rec["phase_runs"]))
     if rec["identity"]:
         t["identity"] = f"{rec['identity']['identical']}/{rec['identity']['prompts']}"
+    rs = rec.get("resync") or {}
+    if rs.get("accept_same_text") and rs.get("accept_after"):
+        # item 4 against the same-text reference: the shipped plugin's tail ÷ its reference (target: within
+        # noise of 1), and the control's (it must fall below, or the probe cannot tell)
+        t["resync_tail_vs_same_text"] = round(rs["accept_after"] / rs["accept_same_text"], 4)
+        if rs.get("accept_same_text_skip_control") and rs.get("accept_after_skip_control"):
+            t["resync_control_tail_vs_same_text"] = round(
+                rs["accept_after_skip_control"] / rs["accept_same_text_skip_control"], 4)
     return t
 
 

@@ -199,6 +199,9 @@ def test_call_d_runs_end_to_end_against_the_stand_in_and_makes_the_record(tmp_pa
     assert [row["concurrency"] for row in rec["step_costs"]] == [1, 4]
     assert all(row["rounds"] == 2 and row["no_spec_ms"] and row["off_state_ms"] for row in rec["step_costs"])
     assert rec["identity"]["prompts"] == 16 and rec["resync"]["details"].keys() == bench["resync"].keys()
+    assert rec["targets"]["resync_tail_vs_same_text"] == 1.0  # the stand-in's accept length is the same everywhere
+    assert rec["targets"]["resync_control_tail_vs_same_text"] == 1.0
+    assert set(rec["request_stats"]) == {O.issue_name(p) for p in pols}
 
 
 def test_phase_summary_splits_a_run_by_the_phase_each_request_was_sent_in():
