@@ -66,6 +66,10 @@ class PluginSettings:
     # (SGLang 0.5.17 captures every state's at the launch width, so steps 0 / s1 / s2 extend eagerly: on the
     # H200, 2026-12-01, the decode state's step at batch 5 went from 10.7 to 6.7 ms under the profiler with it)
     draft_extend_graphs: bool = True
+    # SPECCTL_PLAIN_DECODE_LOGPROBS: steps where a request asks for log-probabilities run the decode state
+    # too (SGLang computes them from its logits); off (the default until the GPU has compared them with the
+    # no-spec server's): those steps run the trivial verify
+    plain_decode_logprobs: bool = False
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -91,7 +95,8 @@ class PluginSettings:
         `SPECCTL_DECISION_LOG` (a path, `{rank}` replaced: every decision of the rank, for audits),
         `SPECCTL_PLAIN_DECODE` (`on` | `off`: speculation off as a decode forward, or SGLang's
         1-token verify), `SPECCTL_SPLITKV_VERIFY` (`on` | `off`: the split-KV verify kernel for
-        topk-1 chains on CUDA)."""
+        topk-1 chains on CUDA), `SPECCTL_DRAFT_EXTEND_GRAPHS` (`on` | `off`), `SPECCTL_PLAIN_DECODE_LOGPROBS`
+        (`on` | `off`: steps with log-probability requests in the decode state too)."""
 
         def get(name: str) -> Optional[str]:
             v = env.get(ENV_PREFIX + name)
@@ -122,7 +127,8 @@ class PluginSettings:
         kw["curve_server_key_file"] = get("CURVE_SERVER_KEY")
         kw["decision_log"] = get("DECISION_LOG")
         for name, field_, default in (("PLAIN_DECODE", "plain_decode", "on"), ("SPLITKV_VERIFY", "splitkv_verify", "off"),
-                                      ("DRAFT_EXTEND_GRAPHS", "draft_extend_graphs", "on")):
+                                      ("DRAFT_EXTEND_GRAPHS", "draft_extend_graphs", "on"),
+                                      ("PLAIN_DECODE_LOGPROBS", "plain_decode_logprobs", "off")):
             v = (get(name) or default).lower()
             if v not in ("on", "off", "1", "0", "true", "false"):
                 raise ValueError(f"SPECCTL_{name} must be on or off, not {v!r}")

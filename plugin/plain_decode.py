@@ -40,7 +40,7 @@ class PlainDecode:
     backend, and whether it is on. The per-step hooks read `on` and `pending` only."""
 
     def __init__(self, *, runner: Any, backend: Any, forward_batch: Any, decode_mode: Any, full_hidden: Any,
-                 build_s: float = 0.0, mem_gb: float = 0.0):
+                 build_s: float = 0.0, mem_gb: float = 0.0, logprobs: bool = False):
         self.runner = runner
         # SGLang's ForwardBatch, ForwardMode.DECODE and CaptureHiddenMode.FULL (given, so that the CPU
         # tests, where forward_batch_info does not import, can run the step logic on stand-ins)
@@ -51,6 +51,10 @@ class PlainDecode:
         self.mem_gb = mem_gb
         self.on = True
         self.off_reason: Optional[str] = None
+        # SPECCTL_PLAIN_DECODE_LOGPROBS: steps with log-probability requests run the decode forward too
+        # (SGLang's verify computes them from its logits, as for the 1-token verify); off: they run the
+        # trivial verify
+        self.logprobs = logprobs
         self.pending: Any = None  # the ScheduleBatch of the verify call in flight
         self.ran = False  # the forward of the verify call in flight was the decode forward
         self.last_graph = False
@@ -205,14 +209,15 @@ def runner_class() -> type:
 # ---------------------------------------------------------------------------- per step
 
 
-def step_reason(worker: Any, batch: Any) -> Optional[str]:
+def step_reason(worker: Any, batch: Any, logprobs: bool = False) -> Optional[str]:
     """Why this steps-0 step runs the trivial verify, or None (the same on every TP rank: it reads
-    the batch's request flags and the step count only)."""
+    the batch's request flags and the step count only). `logprobs`: log-probability requests run the
+    decode forward too."""
     if worker.speculative_num_steps != 0:
         return "speculating"
     if batch.forward_mode.is_idle():
         return "idle batch"
-    if batch.return_logprob:
+    if batch.return_logprob and not logprobs:
         return "log-probabilities requested"
     if getattr(batch, "return_hidden_states", False):
         return "hidden states requested"
@@ -222,7 +227,7 @@ def step_reason(worker: Any, batch: Any) -> Optional[str]:
 def around_verify(plain: PlainDecode, orig: Callable[..., Any], worker: Any, batch: Any,
                   args: tuple, kwargs: dict) -> Any:
     """AROUND EAGLEWorkerV2.verify at steps 0 with the decode state on (the caller checked)."""
-    if step_reason(worker, batch) is not None:
+    if step_reason(worker, batch, plain.logprobs) is not None:
         plain.num_verify_steps += 1
         return orig(worker, batch, *args, **kwargs)
     mr = worker._target_worker.model_runner
@@ -230,6 +235,17 @@ def around_verify(plain: PlainDecode, orig: Callable[..., Any], worker: Any, bat
     try:
         with _attrs(mr, decode_cuda_graph_runner=None):  # SGLang plans no verify graph for this step
             result = orig(worker, batch, *args, **kwargs)
+    except Exception as e:  # noqa: BLE001 - only where SGLang's own code after our forward raised
+        if not (batch.return_logprob and plain.ran):
+            raise
+        # SGLang's log-probabilities of the decode forward's logits failed: this step runs again as
+        # the trivial verify (its preparation re-derives the same cache slots and inputs from the
+        # committed batch; its forward rewrites the KV the decode forward wrote), and the decode
+        # state is off from here on
+        plain.turn_off(f"log-probabilities of a decode-state step failed in SGLang's verify: {type(e).__name__}: {e}")
+        log.exception("specctl: decode state step with log-probabilities failed")
+        plain.pending = None
+        return orig(worker, batch, *args, **kwargs)
     finally:
         plain.pending = None
     if plain.ran:

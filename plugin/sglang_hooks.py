@@ -388,6 +388,8 @@ class PluginRuntime:
             except Exception:  # noqa: BLE001 - no group: a single process
                 group = _SingleProcess()
         self.plain = plain_decode.build(worker, agree=plain_decode.tp_agree(group))
+        if self.plain is not None:
+            self.plain.logprobs = bool(self.settings.plain_decode_logprobs)
 
     # ---------------------------------------------------------------- per step
 

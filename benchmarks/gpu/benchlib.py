@@ -20,6 +20,7 @@ DE_GRAPHS = "+deg"  # plugin policy suffix: SPECCTL_DRAFT_EXTEND_GRAPHS=on (each
 #                     the plugin's default since 2026-12-01: kept so that that lease's commands still mean what they did)
 NO_DE_GRAPHS = "+nodeg"  # plugin policy suffix: SPECCTL_DRAFT_EXTEND_GRAPHS=off (0.5.17's launch-width graphs: the control)
 SPLITKV = "+splitkv"  # plugin policy suffix: SPECCTL_SPLITKV_VERIFY=on (SGLang's split-KV verify kernel for topk-1 chains)
+LOGPROBS = "+lp"  # plugin policy suffix: SPECCTL_PLAIN_DECODE_LOGPROBS=on (logprob steps in the decode state too)
 
 
 def parse_policy(pol):
@@ -33,9 +34,10 @@ def parse_policy(pol):
     Any speculative policy may end in +skipde: the server runs with SGLANG_SPEC_SKIP_ZERO_STEP_DRAFT_EXTEND=1
     (its steps-0 state no longer extends the draft; an upshift then drafts from stale state); a plugin policy
     in +verify (SPECCTL_PLAIN_DECODE=off), +deg (SPECCTL_DRAFT_EXTEND_GRAPHS=on, the default) and +nodeg
-    (SPECCTL_DRAFT_EXTEND_GRAPHS=off) and +splitkv (SPECCTL_SPLITKV_VERIFY=on), in any order."""
+    (SPECCTL_DRAFT_EXTEND_GRAPHS=off), +splitkv (SPECCTL_SPLITKV_VERIFY=on) and +lp
+    (SPECCTL_PLAIN_DECODE_LOGPROBS=on), in any order."""
     base, suffixes = pol, set()
-    for suffix in (SKIP_DE, VERIFY_OFF, NO_DE_GRAPHS, DE_GRAPHS, SPLITKV) * 5:
+    for suffix in (SKIP_DE, VERIFY_OFF, NO_DE_GRAPHS, DE_GRAPHS, SPLITKV, LOGPROBS) * 6:
         if base.endswith(suffix):
             base, _ = base[:-len(suffix)], suffixes.add(suffix)
     p = _parse_policy(base)
@@ -59,6 +61,10 @@ def parse_policy(pol):
         if p["kind"] not in ("specctl", "plugin-fixed"):
             raise ValueError(f"{pol!r}: {SPLITKV} needs a plugin policy (the plugin turns the kernel on)")
         p["splitkv_verify"] = True
+    if LOGPROBS in suffixes:
+        if p["kind"] not in ("specctl", "plugin-fixed"):
+            raise ValueError(f"{pol!r}: {LOGPROBS} needs a plugin policy (it lets logprob steps into its decode state)")
+        p["plain_decode_logprobs"] = True
     return p
 
 
@@ -151,6 +157,8 @@ def policy_launch_args(pol, draft, specctl_max_steps=3):
         env = dict(env, SPECCTL_DRAFT_EXTEND_GRAPHS="on" if p["draft_extend_graphs"] else "off")
     if p.get("splitkv_verify"):
         env = dict(env, SPECCTL_SPLITKV_VERIFY="on")
+    if p.get("plain_decode_logprobs"):
+        env = dict(env, SPECCTL_PLAIN_DECODE_LOGPROBS="on")
     return args, env, cfg
 
 
@@ -483,6 +491,35 @@ def prefill_report(probes, ref_policy="off"):
                     "positions_differing": round(pos_diff / pos, 4) if pos else None,
                     "first_differing_position": first, "first_token_same": tok_same,
                     "first_token_max_abs_diff": round(max(tok_d), 6) if tok_d else None}
+    return rep
+
+
+def logit_report(tops, ref_policy="off", identity=None):
+    """tops: {policy: {prompt id: [[logprob 1, id 1, logprob 2, id 2] per output position]}} (the identity
+    probe's logprob pass: the no-spec server's, and that of every server whose greedy steps answer logprob
+    requests themselves, e.g. the decode state with +lp) -> per policy against `ref_policy`: per prompt the
+    first output position whose top-2 differs at all (`first_logit_difference`; None where every position
+    agrees bit for bit), how many prompts agree everywhere, and — with identity (identity_report's output) —
+    how many part in their top-2 before their tokens part. Where the logits differ from the first decode step
+    on, the decode forward itself computes differently; where they agree up to a token parting, it does not."""
+    ref = tops.get(ref_policy) or {}
+    rep = {}
+    for pol, per in tops.items():
+        if pol == ref_policy or not ref:
+            continue
+        first = {}
+        for pid, rows in per.items():
+            r = ref.get(pid)
+            if not rows or not r:
+                continue
+            first[pid] = next((i for i, (x, y) in enumerate(zip(rows, r)) if x != y), None)
+        out = {"prompts": len(first), "agree_everywhere": sum(1 for k in first.values() if k is None),
+               "first_logit_difference": {p: k for p, k in sorted(first.items()) if k is not None}}
+        div = ((identity or {}).get(pol) or {}).get("first_divergence")
+        if div is not None:
+            out["logits_part_before_tokens"] = sum(1 for p, k in first.items()
+                                                   if k is not None and (p not in div or k < div[p]))
+        rep[pol] = out
     return rep
 
 

@@ -39,6 +39,12 @@ def shipped(pol: str) -> str:
 RESYNC, RESYNC_SKIP = "plugin-fixed:5:s3", "plugin-fixed:5:s3+skipde"
 
 
+def step_name(pol: str) -> str:
+    """A policy's name in the step-cost columns: +lp (log-probability steps in the decode state) changes
+    nothing on the loads' steps, which ask for none."""
+    return pol.replace("+lp", "")
+
+
 def issue_name(pol: str) -> str:
     """run_bench's policy -> the record's name (no-spec, static:sN, threshold:5:s3, sglang-adaptive, specctl)."""
     if pol == "off":
@@ -58,8 +64,8 @@ def _round_steps(row: dict) -> list[float]:
 def step_costs(runs: list[dict]) -> list[dict]:
     by = {}
     for r in runs:
-        if r["policy"] in STEP_POLICIES:
-            by.setdefault(r["concurrency"], {})[r["policy"]] = _round_steps(r)
+        if step_name(r["policy"]) in STEP_POLICIES:
+            by.setdefault(r["concurrency"], {})[step_name(r["policy"])] = _round_steps(r)
     out = []
     for c in sorted(by):
         got = by[c]
@@ -87,10 +93,11 @@ def build(benches: list[dict], calls: list[str]) -> dict:
     step_runs, sweep_runs = [], []
     for b in benches:
         runs = b.get("runs", [])
-        pols = {r["policy"] for r in runs}
+        pols = {step_name(r["policy"]) for r in runs}
         has_steps, has_sweep = bool(pols & (set(STEP_POLICIES) - {"off"})), bool(pols - set(STEP_POLICIES))
-        step_runs += [r for r in runs if r["policy"] in STEP_POLICIES and (r["policy"] != "off" or has_steps)]
-        sweep_runs += [r for r in runs if r["policy"] not in STEP_POLICIES or (r["policy"] == "off" and has_sweep)]
+        step_runs += [r for r in runs if step_name(r["policy"]) in STEP_POLICIES and (r["policy"] != "off" or has_steps)]
+        sweep_runs += [r for r in runs if step_name(r["policy"]) not in STEP_POLICIES
+                       or (r["policy"] == "off" and has_sweep)]
     phase = [r for b in benches for r in b.get("phase_runs", [])]
     rec = {"gpu": first.get("gpu"), "sglang": first.get("sglang"), "attention_backend": "triton",
            "model": first.get("model"), "draft": first.get("draft"), "calls": calls,
@@ -113,6 +120,9 @@ def build(benches: list[dict], calls: list[str]) -> dict:
             rec["identity"] = {"prompts": ident["of"], "identical": ident["identical"],
                                "first_divergence": ident.get("first_divergence", {}),
                                "concurrency": b.get("identity_concurrency")}
+        if b.get("identity_logits") and rec.get("identity_logits") is None:
+            # run_bench's logprob pass through a +lp decode state: where its top-2 first differs from the no-spec's
+            rec["identity_logits"] = b["identity_logits"]
         if b.get("prefill_identity") and rec.get("prefill_identity") is None:
             # run_bench's prefill probe: the prompts' log-probabilities against the no-spec server's
             rec["prefill_identity"] = b["prefill_identity"]

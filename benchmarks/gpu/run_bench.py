@@ -141,6 +141,12 @@ def kill_tree(proc):
             pass
 
 
+def top2_rows(meta):
+    """[logprob 1, id 1, logprob 2, id 2] per output position from SGLang's `output_top_logprobs`."""
+    return [[t[0][0], t[0][1], t[1][0], t[1][1]] if t and len(t) >= 2 else None
+            for t in meta.get("output_top_logprobs") or []]
+
+
 def top2_margins(meta):
     """log p(top-1) - log p(top-2) per output position from SGLang's `output_top_logprobs` (None where absent)."""
     return [(t[0][0] - t[1][0]) if t and len(t) >= 2 and t[0][0] is not None and t[1][0] is not None else None
@@ -175,7 +181,8 @@ async def one_request(session, port, ids, new, out, stream=True, pid=None, top2=
                 o = await r.json()
             out.append({"ttft": None, "latency": time.perf_counter() - t, "tokens": o["meta_info"].get("completion_tokens", 0),
                         "verify_ct": o["meta_info"].get("spec_verify_ct"), "t_end": time.time(), "ids": o.get("output_ids"),
-                        "pid": pid, **({"top2": top2_margins(o["meta_info"])} if top2 else {})})
+                        "pid": pid, **({"top2": top2_margins(o["meta_info"]), "top2_rows": top2_rows(o["meta_info"])}
+                                       if top2 else {})})
             if prefill_lp:
                 out[-1]["prompt_lp"], out[-1]["first_top2"] = prompt_logprobs(o["meta_info"])
             return
@@ -607,15 +614,21 @@ def main():
         srv["identity_cache_flushed"] = flush_cache(sv["port"])
         outs, _ = asyncio.run(closed_loop(sv["port"], mixed[:16], a.identity_c, 16, a.identity_tokens, stream=False))
         result["identity"][pol] = {o.get("pid"): o.get("ids") for o in outs}
-        if pol == "off":  # how close each of the reference's choices was (a pass of its own: the ids above
-            # come from requests without logprobs, as every server's do; a spec server would run logprob steps
-            # through its trivial verify, so only the no-spec server is asked)
+        if pol == "off" or parse_policy(pol).get("plain_decode_logprobs"):
+            # how close each of the reference's choices was (a pass of its own: the ids above come from
+            # requests without logprobs, as every server's do; a spec server runs logprob steps through its
+            # trivial verify, so only the no-spec server is asked — and a decode-state server with +lp, whose
+            # logprob steps run its decode forward: its top-2 against the no-spec server's, position by position)
             srv["identity_cache_flushed"] &= flush_cache(sv["port"])
             outs, _ = asyncio.run(closed_loop(sv["port"], mixed[:16], a.identity_c, 16, a.identity_tokens,
                                               stream=False, top2=True))
-            result["identity_margins"] = {o.get("pid"): o.get("top2") for o in outs}
-            result["identity_margins_ids_same"] = sum(1 for o in outs
-                                                      if o.get("ids") == result["identity"]["off"].get(o.get("pid")))
+            result.setdefault("identity_top2", {})[pol] = {o.get("pid"): o.get("top2_rows") for o in outs}
+            same = sum(1 for o in outs if o.get("ids") == result["identity"][pol].get(o.get("pid")))
+            if pol == "off":
+                result["identity_margins"] = {o.get("pid"): o.get("top2") for o in outs}
+                result["identity_margins_ids_same"] = same
+            else:
+                srv["identity_logprob_pass_ids_same"] = same  # its logprob steps decode what its plain ones do
         # the prefill alone (one output token), its logits kept for every prompt position: do the servers'
         # prefills agree, so that any later parting is the decode steps'? (2026-12-01: speculating, adaptive and
         # the decode state all parted from the no-spec server at the same positions)
@@ -625,7 +638,8 @@ def main():
         result.setdefault("prefill_lp", {})[pol] = {o.get("pid"): {"prompt_lp": o.get("prompt_lp"),
                                                                    "first_top2": o.get("first_top2")}
                                                     for o in outs if "error" not in o}
-        if a.accept_eval and pol != "off":
+        never_speculates = parse_policy(pol)["kind"] == "plugin-fixed" and parse_policy(pol)["threshold"] <= 1
+        if a.accept_eval and pol != "off" and not never_speculates:
             acc = {}
             for name, items in (("mtbench", mtb), ("humaneval", he)):
                 outs, wall = asyncio.run(closed_loop(sv["port"], items, 16, len(items), a.accept_tokens))
@@ -784,6 +798,9 @@ def main():
     outputs = result["identity"]
     result["identity"] = identity_report(outputs, margins=result.get("identity_margins"))
     result["identity_ids"] = outputs  # every policy's greedy output ids: where two part, and to what
+    if len(result.get("identity_top2") or {}) > 1:
+        result["identity_logits"] = B.logit_report(result["identity_top2"], identity=result["identity"])
+        log("top-2 vs off:", json.dumps(result["identity_logits"])[:1500])
     if result.get("prefill_lp"):
         result["prefill_identity"] = B.prefill_report(result["prefill_lp"])
         for per in result["prefill_lp"].values():  # the report keeps what matters; the first tokens stay

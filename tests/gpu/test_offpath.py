@@ -258,3 +258,41 @@ def test_request_stats_reads_sglangs_lines_and_groups_arrivals():
     assert rs["queue_ms_median"] == 4.0 and rs["queue_ms_p90"] == 80.0
     assert rs["cached_input_frac"] == round(180 / 400, 4)
     assert B.request_stats("no such lines") is None
+
+
+def test_logit_report_finds_where_the_top2_first_differs():
+    """The +lp decode state's top-2 per position against the no-spec server's: the first position that differs
+    at all, and whether it comes before the tokens part (identity_report's first_divergence)."""
+    ref = {"a": [[-0.1, 5, -2.0, 7]] * 4, "b": [[-0.1, 5, -2.0, 7]] * 4, "c": [[-0.5, 1, -0.5, 2]] * 3}
+    mine = {"a": [[-0.1, 5, -2.0, 7]] * 4,                                        # the same everywhere
+            "b": [[-0.1, 5, -2.0, 7], [-0.1, 5, -2.0, 7], [-0.1, 5, -2.125, 7], [-0.1, 5, -2.0, 7]],  # from 2
+            "c": [[-0.5, 1, -0.5, 2], [-0.5, 2, -0.5, 1], [-0.5, 2, -0.5, 1]]}    # a tie resolved the other way
+    ident = {"plugin-fixed:1:s3+lp": {"first_divergence": {"c": 1}}}
+    rep = B.logit_report({"off": ref, "plugin-fixed:1:s3+lp": mine}, identity=ident)["plugin-fixed:1:s3+lp"]
+    assert rep["prompts"] == 3 and rep["agree_everywhere"] == 1
+    assert rep["first_logit_difference"] == {"b": 2, "c": 1}
+    assert rep["logits_part_before_tokens"] == 1  # b's logits differ while its tokens never part
+
+
+@pytest.mark.parametrize("pol,on", [("plugin-fixed:1:s3+lp", True), ("plugin-fixed:1:s3+lp+deg", True),
+                                    ("plugin-fixed:1:s3", False)])
+def test_lp_suffix_lets_logprob_steps_into_the_decode_state(pol, on):
+    _, env, _ = B.policy_launch_args(pol, "/d")
+    assert (env.get("SPECCTL_PLAIN_DECODE_LOGPROBS") == "on") is on
+    assert bool(B.parse_policy(pol).get("plain_decode_logprobs")) is on
+
+
+def test_lp_suffix_needs_the_plugin():
+    with pytest.raises(ValueError, match="plugin"):
+        B.parse_policy("static:s3+lp")
+
+
+def test_the_lp_decode_state_counts_as_the_decode_state_in_step_costs():
+    """Call S: plugin-fixed:1:s3+lp beside the no-spec server and the s3 servers: its steps (the loads ask for no
+    log-probabilities) are the decode state's column; the s3 servers are sweep rows."""
+    b = {"runs": [_row("off", 1, [6.1, 6.2, 6.15]), _row(O.DECODE_STATE + "+lp", 1, [6.4, 6.5, 6.45]),
+                  _row("plugin-fixed:1000:s3", 1, [8.0], 170.0)]}
+    rec = O.build([b], ["S"])
+    sc = rec["step_costs"][0]
+    assert sc["off_state_ms"] == 6.45 and sc["no_spec_ms"] == 6.15 and sc["rounds"] == 3
+    assert {r["policy"] for r in rec["sweep"]} == {"no-spec", "plugin-fixed:1000:s3"}

@@ -209,6 +209,53 @@ def test_steps_the_decode_state_does_not_cover_run_the_trivial_verify(batch_kw, 
     assert w.plain.status()["verify_steps"] == 1
 
 
+def test_with_the_logprob_switch_logprob_steps_run_the_decode_forward():
+    """SPECCTL_PLAIN_DECODE_LOGPROBS=on: a step whose batch asks for log-probabilities runs the decode
+    forward (SGLang's verify computes them from its logits); idle steps still run the trivial verify."""
+    w = Worker()
+    w.plain = make_plain()
+    w.plain.logprobs = True
+    batch = make_batch(logprob=True)
+    assert pd.step_reason(w, batch, logprobs=True) is None
+    assert pd.step_reason(w, make_batch(mode=IDLE), logprobs=True) == "idle batch"
+    res = verify_step(w, batch)
+    assert res._specctl_off_path == pd.DECODE and w._target_worker.calls[-1]["mode"] is DECODE
+    assert w.plain.on and w.plain.status()["decode_steps"] == 1 and w.plain.status()["verify_steps"] == 0
+
+
+def test_a_logprob_step_that_fails_after_the_decode_forward_runs_again_as_the_trivial_verify(caplog):
+    """SGLang's code after the decode forward (its log-probabilities) raising: the step runs again as
+    the trivial verify, the decode state is off for good, logged once; without log-probabilities the
+    same failure is SGLang's own and propagates, as it would without the plugin."""
+    class FailingAfterForward(Worker):
+        fail_left = 1
+
+        def verify(self, batch, grammar_barrier=None):
+            out = Worker.verify(self, batch, grammar_barrier)
+            if self.plain is not None and self.plain.ran and FailingAfterForward.fail_left:
+                FailingAfterForward.fail_left -= 1
+                raise IndexError("compute_spec_v2_logprobs stand-in failure")
+            return out
+
+    w = FailingAfterForward()
+    w.plain = make_plain()
+    w.plain.logprobs = True
+    batch = make_batch(logprob=True)
+    with caplog.at_level(logging.ERROR, logger="specctl.plugin"):
+        res = pd.around_verify(w.plain, FailingAfterForward.verify, w, batch, (), {})
+    modes = [c["mode"] for c in w._target_worker.calls]
+    assert modes == [DECODE, TARGET_VERIFY]  # the decode forward, then the step again as the trivial verify
+    assert w._target_worker.calls[-1]["backend"] == "steps0-backend"
+    assert res.logits_output == "logits-TARGET_VERIFY" and not hasattr(res, "_specctl_off_path")
+    assert not w.plain.on and "log-probabilities" in w.plain.off_reason and w.plain.pending is None
+    assert sum("decode state OFF" in r.message for r in caplog.records) == 1
+    w2 = FailingAfterForward()
+    FailingAfterForward.fail_left = 1
+    w2.plain = make_plain()
+    with pytest.raises(IndexError):
+        pd.around_verify(w2.plain, FailingAfterForward.verify, w2, make_batch(), (), {})
+
+
 @pytest.mark.parametrize("where", ["init_new", "forward"])
 def test_a_failing_step_runs_as_the_trivial_verify_and_the_decode_state_stays_off(where, caplog):
     w = Worker()
@@ -495,3 +542,12 @@ def test_two_gloo_ranks_run_the_decode_state_only_if_both_built_it(tmp_path, fai
     assert built == ([True, True] if fail_rank < 0 else [False, False])
     if fail_rank >= 0:
         assert "MemoryError" in outs[fail_rank] and "another TP rank could not build it" in outs[1 - fail_rank]
+
+
+def test_the_logprob_switch_is_off_by_default_and_read_from_the_environment():
+    from specctl.plugin.engine import PluginSettings
+
+    assert PluginSettings.from_env({}).plain_decode_logprobs is False
+    assert PluginSettings.from_env({"SPECCTL_PLAIN_DECODE_LOGPROBS": "on"}).plain_decode_logprobs is True
+    with pytest.raises(ValueError, match="SPECCTL_PLAIN_DECODE_LOGPROBS"):
+        PluginSettings.from_env({"SPECCTL_PLAIN_DECODE_LOGPROBS": "sometimes"})
