@@ -37,7 +37,7 @@ DECODE, VERIFY = "decode", "verify"  # which "off" ran: telemetry's off_path
 
 class PlainDecode:
     """The decode state of one EAGLE worker: its graph runner (None = eager only), its attention
-    backend, and whether it is on. The per-step hooks read `on` and `pending` only."""
+    backend, and whether it is on. The per-step hooks read `on`, `pending` and `logprobs` only."""
 
     def __init__(self, *, runner: Any, backend: Any, forward_batch: Any, decode_mode: Any, full_hidden: Any,
                  build_s: float = 0.0, mem_gb: float = 0.0, logprobs: bool = False):
