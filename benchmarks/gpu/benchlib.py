@@ -21,6 +21,15 @@ DE_GRAPHS = "+deg"  # plugin policy suffix: SPECCTL_DRAFT_EXTEND_GRAPHS=on (each
 NO_DE_GRAPHS = "+nodeg"  # plugin policy suffix: SPECCTL_DRAFT_EXTEND_GRAPHS=off (0.5.17's launch-width graphs: the control)
 SPLITKV = "+splitkv"  # plugin policy suffix: SPECCTL_SPLITKV_VERIFY=on (SGLang's split-KV verify kernel for topk-1 chains)
 LOGPROBS = "+lp"  # plugin policy suffix: SPECCTL_PLAIN_DECODE_LOGPROBS=on (logprob steps in the decode state too)
+# a plugin policy's suffix -> (parse_policy's field, its value, the plugin's switch, its setting, why a plugin)
+PLUGIN_SWITCHES = {
+    VERIFY_OFF: ("plain_decode", False, "SPECCTL_PLAIN_DECODE", "off", "it turns the plugin's decode state off"),
+    DE_GRAPHS: ("draft_extend_graphs", True, "SPECCTL_DRAFT_EXTEND_GRAPHS", "on",
+                "the plugin sizes the draft-extend graphs"),
+    SPLITKV: ("splitkv_verify", True, "SPECCTL_SPLITKV_VERIFY", "on", "the plugin turns the kernel on"),
+    LOGPROBS: ("plain_decode_logprobs", True, "SPECCTL_PLAIN_DECODE_LOGPROBS", "on",
+               "it lets logprob steps into its decode state"),
+}
 
 
 def parse_policy(pol):
@@ -45,26 +54,15 @@ def parse_policy(pol):
         if p["kind"] == "off" or p["kind"] == "static":
             raise ValueError(f"{pol!r}: {SKIP_DE} needs an adaptive server (it acts on the steps-0 state)")
         p["skip_zero_draft_extend"] = True
-    if VERIFY_OFF in suffixes:
-        if p["kind"] not in ("specctl", "plugin-fixed"):
-            raise ValueError(f"{pol!r}: {VERIFY_OFF} needs a plugin policy (it turns the plugin's decode state off)")
-        p["plain_decode"] = False
-    if DE_GRAPHS in suffixes:
-        if p["kind"] not in ("specctl", "plugin-fixed"):
-            raise ValueError(f"{pol!r}: {DE_GRAPHS} needs a plugin policy (the plugin sizes the draft-extend graphs)")
-        p["draft_extend_graphs"] = True
+    for suffix, (field_, value, _, _, why) in PLUGIN_SWITCHES.items():
+        if suffix in suffixes:
+            if p["kind"] not in ("specctl", "plugin-fixed"):
+                raise ValueError(f"{pol!r}: {suffix} needs a plugin policy ({why})")
+            p[field_] = value
     if NO_DE_GRAPHS in suffixes:
         if p["kind"] not in ("specctl", "plugin-fixed") or DE_GRAPHS in suffixes:
             raise ValueError(f"{pol!r}: {NO_DE_GRAPHS} needs a plugin policy without {DE_GRAPHS}")
         p["draft_extend_graphs"] = False
-    if SPLITKV in suffixes:
-        if p["kind"] not in ("specctl", "plugin-fixed"):
-            raise ValueError(f"{pol!r}: {SPLITKV} needs a plugin policy (the plugin turns the kernel on)")
-        p["splitkv_verify"] = True
-    if LOGPROBS in suffixes:
-        if p["kind"] not in ("specctl", "plugin-fixed"):
-            raise ValueError(f"{pol!r}: {LOGPROBS} needs a plugin policy (it lets logprob steps into its decode state)")
-        p["plain_decode_logprobs"] = True
     return p
 
 
@@ -151,14 +149,11 @@ def policy_launch_args(pol, draft, specctl_max_steps=3):
     args, env, cfg = _launch_args(p, draft, specctl_max_steps)
     if p.get("skip_zero_draft_extend"):
         env = dict(env, SGLANG_SPEC_SKIP_ZERO_STEP_DRAFT_EXTEND="1")
-    if p.get("plain_decode") is False:
-        env = dict(env, SPECCTL_PLAIN_DECODE="off")
-    if p.get("draft_extend_graphs") is not None:
-        env = dict(env, SPECCTL_DRAFT_EXTEND_GRAPHS="on" if p["draft_extend_graphs"] else "off")
-    if p.get("splitkv_verify"):
-        env = dict(env, SPECCTL_SPLITKV_VERIFY="on")
-    if p.get("plain_decode_logprobs"):
-        env = dict(env, SPECCTL_PLAIN_DECODE_LOGPROBS="on")
+    for field_, value, var, setting, _ in PLUGIN_SWITCHES.values():
+        if p.get(field_) is value:
+            env = dict(env, **{var: setting})
+    if p.get("draft_extend_graphs") is False:  # +nodeg
+        env = dict(env, SPECCTL_DRAFT_EXTEND_GRAPHS="off")
     return args, env, cfg
 
 
