@@ -46,7 +46,8 @@ def parse_policy(pol):
     (SPECCTL_DRAFT_EXTEND_GRAPHS=off), +splitkv (SPECCTL_SPLITKV_VERIFY=on) and +lp
     (SPECCTL_PLAIN_DECODE_LOGPROBS=on), in any order."""
     base, suffixes = pol, set()
-    for suffix in (SKIP_DE, VERIFY_OFF, NO_DE_GRAPHS, DE_GRAPHS, SPLITKV, LOGPROBS) * 6:
+    known = (SKIP_DE, NO_DE_GRAPHS, *PLUGIN_SWITCHES)
+    for suffix in known * len(known):
         if base.endswith(suffix):
             base, _ = base[:-len(suffix)], suffixes.add(suffix)
     p = _parse_policy(base)

@@ -638,7 +638,8 @@ def main():
         result.setdefault("prefill_lp", {})[pol] = {o.get("pid"): {"prompt_lp": o.get("prompt_lp"),
                                                                    "first_top2": o.get("first_top2")}
                                                     for o in outs if "error" not in o}
-        never_speculates = parse_policy(pol)["kind"] == "plugin-fixed" and parse_policy(pol)["threshold"] <= 1
+        pp = parse_policy(pol)
+        never_speculates = pp["kind"] == "plugin-fixed" and pp["threshold"] <= 1
         if a.accept_eval and pol != "off" and not never_speculates:
             acc = {}
             for name, items in (("mtbench", mtb), ("humaneval", he)):
