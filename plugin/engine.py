@@ -59,9 +59,11 @@ class PluginSettings:
     # "off" as a true decode forward inside the EAGLE server (plugin/plain_decode.py); False: SGLang's
     # steps-0 state (a 1-token verify) runs as it is
     plain_decode: bool = True
-    # SGLang's split-KV verify attention kernel (upstream: AMD gfx95 only) for topk-1 chains on CUDA;
-    # off until its GPU checks (numerics against fp32, accept length, greedy agreement) have passed
-    splitkv_verify: bool = False
+    # SGLang's split-KV verify attention kernel (upstream: AMD gfx95 only) for topk-1 chains on CUDA: on
+    # since its GPU checks passed (H200, 2026-12-02: 48/48 cases within the extend kernel's error against
+    # fp32; static s3 through the plugin 0.70-0.84x the stock step, accept length and greedy agreement
+    # with the no-spec server unchanged). SGLANG_ENABLE_SPLITKV_VERIFY=0 keeps it off too, as in SGLang
+    splitkv_verify: bool = True
     # SPECCTL_DRAFT_EXTEND_GRAPHS: each chain state's draft-extend CUDA graph captured at its own width
     # (SGLang 0.5.17 captures every state's at the launch width, so steps 0 / s1 / s2 extend eagerly: on the
     # H200, 2026-12-01, the decode state's step at batch 5 went from 10.7 to 6.7 ms under the profiler with it)
@@ -126,7 +128,7 @@ class PluginSettings:
         kw["curve_secret_key_file"] = get("CURVE_SECRET_KEY")
         kw["curve_server_key_file"] = get("CURVE_SERVER_KEY")
         kw["decision_log"] = get("DECISION_LOG")
-        for name, field_, default in (("PLAIN_DECODE", "plain_decode", "on"), ("SPLITKV_VERIFY", "splitkv_verify", "off"),
+        for name, field_, default in (("PLAIN_DECODE", "plain_decode", "on"), ("SPLITKV_VERIFY", "splitkv_verify", "on"),
                                       ("DRAFT_EXTEND_GRAPHS", "draft_extend_graphs", "on"),
                                       ("PLAIN_DECODE_LOGPROBS", "plain_decode_logprobs", "off")):
             v = (get(name) or default).lower()

@@ -23,11 +23,12 @@ Each chain state's own draft-extend graphs (SPECCTL_DRAFT_EXTEND_GRAPHS, on by d
                                                   width and steps 0 / s1 / s2 extend eagerly; 0.5.23
                                                   reads the bag itself)
 
-The split-KV verify kernel (SPECCTL_SPLITKV_VERIFY=on; SGLang gates it to AMD gfx95):
+The split-KV verify kernel (SPECCTL_SPLITKV_VERIFY, on by default; SGLang gates it to AMD gfx95):
 
     AFTER    TritonAttnBackend.__init__             use_verify_splitkv on every topk-1 backend on CUDA
                                                   (the kernel computes a causal chain; its own can_handle
-                                                  sends everything else to the extend kernel)
+                                                  sends everything else to the extend kernel), unless
+                                                  SGLANG_ENABLE_SPLITKV_VERIFY is off
 
 Tree states (topk > 1; only when the adaptive config has a `specctl.states` section, see
 plugin/launch_args.py; each hook passes straight through otherwise):
@@ -678,9 +679,26 @@ def _after_resolve(ret: Any, processor: Any, *args: Any, **kwargs: Any) -> None:
     return None  # keep SGLang's return value
 
 
+@functools.lru_cache(maxsize=1)
+def _sglang_allows_splitkv() -> bool:
+    """SGLang's own switch for the kernel (SGLANG_ENABLE_SPLITKV_VERIFY, default on): an operator who
+    turned it off gets the extend kernel on CUDA too."""
+    try:
+        from sglang.srt.environ import envs
+
+        return bool(envs.SGLANG_ENABLE_SPLITKV_VERIFY.get())
+    except Exception:  # noqa: BLE001 - a release without the switch: nothing turned it off
+        return True
+
+
 def _after_triton_init(ret: Any, backend: Any, *args: Any, **kwargs: Any) -> None:
     """Every TritonAttnBackend built for a topk-1 chain on CUDA verifies with the split-KV kernel."""
     try:
+        if not _sglang_allows_splitkv():
+            rt = _RUNTIME
+            if rt is not None:
+                rt.warn_once("split-KV verify kernel left off: SGLANG_ENABLE_SPLITKV_VERIFY is off", logging.INFO)
+            return None
         topk = getattr(backend, "topk", None)
         if isinstance(topk, int) and topk <= 1 and str(getattr(backend, "device", "")).startswith("cuda") \
                 and hasattr(backend, "verify_splitkv_fwd"):
@@ -688,7 +706,8 @@ def _after_triton_init(ret: Any, backend: Any, *args: Any, **kwargs: Any) -> Non
                 backend.use_verify_splitkv = True
                 rt = _RUNTIME
                 if rt is not None:
-                    rt.warn_once("split-KV verify kernel on for topk-1 verify (SPECCTL_SPLITKV_VERIFY=on)", logging.INFO)
+                    rt.warn_once("split-KV verify kernel on for topk-1 verify (SPECCTL_SPLITKV_VERIFY=off: the extend kernel)",
+                                 logging.INFO)
     except Exception as e:  # noqa: BLE001 - SGLang's own choice stands
         log.warning("specctl: split-KV verify hook error (%s: %s); SGLang's kernel choice stands", type(e).__name__, e)
     return None

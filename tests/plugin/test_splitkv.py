@@ -37,10 +37,34 @@ def test_only_topk1_cuda_backends_get_the_split_kv_kernel(b, on):
 
 
 def test_settings_read_the_switch_and_refuse_nonsense():
-    assert PluginSettings.from_env({}).splitkv_verify is False
+    assert PluginSettings.from_env({}).splitkv_verify is True  # on by default since its GPU checks passed
+    assert PluginSettings.from_env({"SPECCTL_SPLITKV_VERIFY": "off"}).splitkv_verify is False
     assert PluginSettings.from_env({"SPECCTL_SPLITKV_VERIFY": "on"}).splitkv_verify is True
     with pytest.raises(ValueError, match="SPECCTL_SPLITKV_VERIFY"):
         PluginSettings.from_env({"SPECCTL_SPLITKV_VERIFY": "maybe"})
+
+
+def test_sglangs_own_switch_off_keeps_the_extend_kernel(monkeypatch):
+    monkeypatch.setattr(sglang_hooks, "_sglang_allows_splitkv", lambda: False)
+    b = backend(1)
+    assert sglang_hooks._after_triton_init(None, b) is None
+    assert b.use_verify_splitkv is False
+
+
+@pytest.mark.sglang
+@pytest.mark.parametrize("value, allowed", [(None, True), ("0", False), ("false", False), ("1", True)])
+def test_sglangs_switch_is_read_as_sglang_reads_it(value, allowed):
+    code = r"""
+from specctl.plugin import sglang_hooks
+print(sglang_hooks._sglang_allows_splitkv())
+"""
+    env = {k: v for k, v in os.environ.items() if k != "SGLANG_ENABLE_SPLITKV_VERIFY"}
+    if value is not None:
+        env["SGLANG_ENABLE_SPLITKV_VERIFY"] = value
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                       env=dict(env, PYTHONWARNINGS="ignore"))
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert p.stdout.strip().splitlines()[-1] == str(allowed)
 
 
 @pytest.mark.sglang
