@@ -19,7 +19,9 @@ VERIFY_OFF = "+verify"  # plugin policy suffix: SPECCTL_PLAIN_DECODE=off (steps 
 DE_GRAPHS = "+deg"  # plugin policy suffix: SPECCTL_DRAFT_EXTEND_GRAPHS=on (each chain state's draft extend in its own graph;
 #                     the plugin's default since 2026-12-01: kept so that that lease's commands still mean what they did)
 NO_DE_GRAPHS = "+nodeg"  # plugin policy suffix: SPECCTL_DRAFT_EXTEND_GRAPHS=off (0.5.17's launch-width graphs: the control)
-SPLITKV = "+splitkv"  # plugin policy suffix: SPECCTL_SPLITKV_VERIFY=on (SGLang's split-KV verify kernel for topk-1 chains)
+SPLITKV = "+splitkv"  # plugin policy suffix: SPECCTL_SPLITKV_VERIFY=on (SGLang's split-KV verify kernel for topk-1 chains;
+#                       the plugin's default since 2026-12-02: kept so that earlier commands still mean what they did)
+STOCK_VERIFY = "+stockverify"  # plugin policy suffix: SPECCTL_SPLITKV_VERIFY=off (SGLang's extend kernel: the control)
 LOGPROBS = "+lp"  # plugin policy suffix: SPECCTL_PLAIN_DECODE_LOGPROBS=on (logprob steps in the decode state too)
 # a plugin policy's suffix -> (parse_policy's field, its value, the plugin's switch, its setting, why a plugin)
 PLUGIN_SWITCHES = {
@@ -27,6 +29,7 @@ PLUGIN_SWITCHES = {
     DE_GRAPHS: ("draft_extend_graphs", True, "SPECCTL_DRAFT_EXTEND_GRAPHS", "on",
                 "the plugin sizes the draft-extend graphs"),
     SPLITKV: ("splitkv_verify", True, "SPECCTL_SPLITKV_VERIFY", "on", "the plugin turns the kernel on"),
+    STOCK_VERIFY: ("splitkv_verify", False, "SPECCTL_SPLITKV_VERIFY", "off", "the kernel switch is the plugin's"),
     LOGPROBS: ("plain_decode_logprobs", True, "SPECCTL_PLAIN_DECODE_LOGPROBS", "on",
                "it lets logprob steps into its decode state"),
 }
@@ -43,8 +46,8 @@ def parse_policy(pol):
     Any speculative policy may end in +skipde: the server runs with SGLANG_SPEC_SKIP_ZERO_STEP_DRAFT_EXTEND=1
     (its steps-0 state no longer extends the draft; an upshift then drafts from stale state); a plugin policy
     in +verify (SPECCTL_PLAIN_DECODE=off), +deg (SPECCTL_DRAFT_EXTEND_GRAPHS=on, the default) and +nodeg
-    (SPECCTL_DRAFT_EXTEND_GRAPHS=off), +splitkv (SPECCTL_SPLITKV_VERIFY=on) and +lp
-    (SPECCTL_PLAIN_DECODE_LOGPROBS=on), in any order."""
+    (SPECCTL_DRAFT_EXTEND_GRAPHS=off), +splitkv (SPECCTL_SPLITKV_VERIFY=on, the default) and +stockverify
+    (off), +lp (SPECCTL_PLAIN_DECODE_LOGPROBS=on), in any order."""
     base, suffixes = pol, set()
     known = (SKIP_DE, NO_DE_GRAPHS, *PLUGIN_SWITCHES)
     for suffix in known * len(known):
@@ -59,6 +62,8 @@ def parse_policy(pol):
         if suffix in suffixes:
             if p["kind"] not in ("specctl", "plugin-fixed"):
                 raise ValueError(f"{pol!r}: {suffix} needs a plugin policy ({why})")
+            if p.get(field_, value) is not value:
+                raise ValueError(f"{pol!r}: two suffixes set {field_} both ways")
             p[field_] = value
     if NO_DE_GRAPHS in suffixes:
         if p["kind"] not in ("specctl", "plugin-fixed") or DE_GRAPHS in suffixes:
@@ -242,15 +247,25 @@ def request_stats(text, min_gap_ms=1.0):
 def parse_decode_lines(text, n=None):
     """Step times from SGLang 'Decode batch' lines: 1000 * #running-req * accept_len / gen_throughput (ms).
     The first line of a window spans an idle gap or prefill and is dropped; with n, only lines at exactly
-    n running requests (steady state of a closed loop at concurrency n) count."""
+    n running requests (steady state of a closed loop at concurrency n) count.
+    A line's throughput is over the wall time since the previous Decode-batch line, prefill iterations
+    included: `clean_step_ms_med` is the median over the lines with no `Prefill batch` line since the
+    previous one (`clean_lines` of them), the decode step alone — at c >= 64 on the 8b testbed most windows
+    hold a ~75 ms prefill, and a speculating server's more than the no-spec server's."""
     rows = []
+    prefill = True  # the first window spans whatever came before
     for ln in text.splitlines():
+        if "Prefill batch" in ln:
+            prefill = True
+            continue
         if "Decode batch" not in ln:
             continue
         a, b, c, t = R_RUN.search(ln), R_ACC.search(ln), R_TP.search(ln), R_TOK.search(ln)
         if not (a and c):
             continue
-        rows.append((int(a.group(1)), float(b.group(1)) if b else 1.0, float(c.group(1)), int(t.group(1)) if t else None))
+        rows.append((int(a.group(1)), float(b.group(1)) if b else 1.0, float(c.group(1)), int(t.group(1)) if t else None,
+                     not prefill))
+        prefill = False
     rows = rows[1:]
     sel = [r for r in rows if (n is None or r[0] == n) and r[2] > 0]
     if len(sel) >= 4:
@@ -265,6 +280,10 @@ def parse_decode_lines(text, n=None):
     ctx = [r[3] / r[0] for r in sel if r[3] is not None and r[0] > 0]
     if ctx:  # mean context tokens per running request (#token / #running-req), the profile's context
         out["ctx_per_req_med"] = round(st.median(ctx), 1)
+    clean = [1000.0 * r[0] * r[1] / r[2] for r in rows if r[4] and (n is None or r[0] == n) and r[2] > 0]
+    out["clean_lines"] = len(clean)
+    if clean:
+        out["clean_step_ms_med"] = round(st.median(clean), 4)
     return out
 
 
@@ -495,7 +514,8 @@ def logit_report(tops, ref_policy="off", identity=None):
     probe's logprob pass: the no-spec server's, and that of every server whose greedy steps answer logprob
     requests themselves, e.g. the decode state with +lp) -> per policy against `ref_policy`: per prompt the
     first output position whose top-2 differs at all (`first_logit_difference`; None where every position
-    agrees bit for bit), how many prompts agree everywhere, and — with identity (identity_report's output) —
+    agrees bit for bit) and whose top-2 ids or gap differ (`first_margin_difference`: the logits themselves,
+    whatever normalisation the server's log-probabilities went through), how many prompts agree everywhere, and — with identity (identity_report's output) —
     how many part in their top-2 before their tokens part. Where the logits differ from the first decode step
     on, the decode forward itself computes differently; where they agree up to a token parting, it does not."""
     ref = tops.get(ref_policy) or {}
@@ -503,14 +523,19 @@ def logit_report(tops, ref_policy="off", identity=None):
     for pol, per in tops.items():
         if pol == ref_policy or not ref:
             continue
-        first = {}
+        first, margin = {}, {}
         for pid, rows in per.items():
             r = ref.get(pid)
             if not rows or not r:
                 continue
             first[pid] = next((i for i, (x, y) in enumerate(zip(rows, r)) if x != y), None)
+            margin[pid] = next((i for i, (x, y) in enumerate(zip(rows, r))
+                                if (x[1], x[3]) != (y[1], y[3]) or abs((x[0] - x[2]) - (y[0] - y[2])) > 1e-6), None)
         out = {"prompts": len(first), "agree_everywhere": sum(1 for k in first.values() if k is None),
-               "first_logit_difference": {p: k for p, k in sorted(first.items()) if k is not None}}
+               "first_logit_difference": {p: k for p, k in sorted(first.items()) if k is not None},
+               # shift-free: the top-2 ids or their log-probability gap (a logit difference) — 2026-12-02 the +lp
+               # server's log-probabilities sat a constant off the no-spec server's even at the prefill's output
+               "first_margin_difference": {p: k for p, k in sorted(margin.items()) if k is not None}}
         div = ((identity or {}).get(pol) or {}).get("first_divergence")
         if div is not None:
             out["logits_part_before_tokens"] = sum(1 for p, k in first.items()

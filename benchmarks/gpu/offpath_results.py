@@ -2,6 +2,7 @@
 run_bench.py outputs of one or more device calls:
 
   python3 benchmarks/gpu/offpath_results.py OUT.json BENCH.json [BENCH.json ...] [--call "command" ...]
+      [--logs DIR ...]   (a call's server logs, g0.tgz's g0/: step costs over the windows without a prefill)
 
 Reads the run_bench rows of these policies (any call may hold any of them):
   off                          -> no-spec                   (a server launched without speculation)
@@ -10,6 +11,9 @@ Reads the run_bench rows of these policies (any call may hold any of them):
   plugin-fixed:1:s3+deg        -> the decode state, each state's draft extend in its own graph (SPECCTL_DRAFT_EXTEND_GRAPHS=on;
                                   the plugin's default since 2026-12-01: before that, plugin-fixed:1:s3 ran without it)
   plugin-fixed:1:s3+nodeg      -> the decode state with 0.5.17's launch-width draft-extend graphs (the control)
+  plugin-fixed:1000:s3(+splitkv | +stockverify) -> s3 at every batch size with / without the split-KV verify kernel
+                                  (issue "cheaper speculative steps": `splitkv`; before 2026-12-02 the plugin's
+                                  default was the stock kernel, since then the split-KV one)
   static:sN, threshold:5:s3, sglang-adaptive, specctl       (sweep and phase rows, named as the issue names them)
 and writes: step_costs (median of the per-round Decode-batch step medians, per concurrency), sweep, phase_runs,
 identity (the decode state vs no-spec, greedy), resync (threshold:5:s3 probes, with and without
@@ -24,7 +28,7 @@ import statistics as st
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from benchlib import parse_policy  # noqa: E402
+from benchlib import logit_report, parse_policy  # noqa: E402
 
 NO_SPEC_POLICY, DECODE_STATE, TRIVIAL = "off", "plugin-fixed:1:s3", "plugin-fixed:1:s3+verify"
 DECODE_STATE_DEG = "plugin-fixed:1:s3+deg"  # the decode state with the steps-0 draft extend in its own graph
@@ -55,10 +59,76 @@ def issue_name(pol: str) -> str:
     return pol
 
 
+S3_STOCK, S3_SPLITKV = "plugin-fixed:1000:s3", "plugin-fixed:1000:s3+splitkv"
+S3_STOCK_NOW = "plugin-fixed:1000:s3+stockverify"  # the stock kernel since the split-KV one is the default
+
+
 def _round_steps(row: dict) -> list[float]:
-    """The step time (ms) of each round of a run_bench row: Decode-batch medians at exactly c requests."""
+    """The step time (ms) of each round of a run_bench row: Decode-batch medians at exactly c requests, over
+    the windows without a prefill where every round has some (run_bench since 2026-12-02), else over all."""
+    clean = row.get("repeats_clean_step_ms")
+    if clean and all(clean):
+        return [float(x) for x in clean]
     per = row.get("repeats_step_ms") or [(row.get("log") or {}).get("step_ms_med")]
     return [float(x) for x in per if x]
+
+
+def log_policy(name: str) -> str:
+    """A run_bench server log's file name -> its policy: 8b-plugin-fixed_1_s3+lp.log -> plugin-fixed:1:s3+lp."""
+    base = os.path.basename(name)
+    base = base[base.index("-") + 1:] if "-" in base else base
+    return base[:-4].replace("_", ":") if base.endswith(".log") else base.replace("_", ":")
+
+
+MIN_CLEAN_WINDOWS = 3  # fewer windows without a prefill at exactly c requests: no figure
+
+
+def clean_step_costs(log_dirs: list[str], concurrencies: list[int]) -> list[dict]:
+    """Per call (a directory of run_bench server logs) and concurrency: each step policy's median step time over
+    the whole log's Decode-batch windows at exactly c running requests that hold no prefill (benchlib's
+    clean_step_ms_med; at least MIN_CLEAN_WINDOWS of them), with how many windows; the decode state and the split-KV s3 against their call's
+    no-spec / stock s3 server. The rounds are pooled (the logs do not mark them)."""
+    from benchlib import parse_decode_lines
+
+    out = []
+    for d in log_dirs:
+        logs = {log_policy(f): os.path.join(d, f) for f in sorted(os.listdir(d)) if f.endswith(".log") and f != "run.log"}
+        for c in concurrencies:
+            row: dict = {"logs": d, "concurrency": c}
+            for pol, path in logs.items():
+                r = parse_decode_lines(open(path, errors="replace").read(), c)
+                if r.get("clean_step_ms_med") and r["clean_lines"] >= MIN_CLEAN_WINDOWS:
+                    row[pol] = {"ms": r["clean_step_ms_med"], "windows": r["clean_lines"]}
+            ref = (row.get(NO_SPEC_POLICY) or {}).get("ms")
+            for pol in (DECODE_STATE, DECODE_STATE + "+lp", TRIVIAL):
+                if ref and (row.get(pol) or {}).get("ms"):
+                    row[pol]["vs_no_spec"] = round(row[pol]["ms"] / ref, 4)
+            stock = (row.get(S3_STOCK_NOW) or {}).get("ms") or (row.get(S3_STOCK) or {}).get("ms")
+            if stock and (row.get(S3_SPLITKV) or {}).get("ms"):
+                row[S3_SPLITKV]["vs_stock"] = round(row[S3_SPLITKV]["ms"] / stock, 4)
+            if len(row) > 2:
+                out.append(row)
+    return out
+
+
+def splitkv_costs(runs: list[dict]) -> list[dict]:
+    """s3 through the plugin at every batch size, with the split-KV verify kernel and with the stock one:
+    per concurrency the median of the rounds (issue "cheaper speculative steps": <= 0.87x at c = 1 / 16 / 64)."""
+    by: dict[int, dict[str, list[float]]] = {}
+    for r in runs:
+        pol = r["policy"]
+        if pol in (S3_STOCK, S3_STOCK_NOW, S3_SPLITKV):
+            key = "splitkv" if pol == S3_SPLITKV else "stock"
+            by.setdefault(r["concurrency"], {})[key] = _round_steps(r)
+    out = []
+    for c in sorted(by):
+        got = by[c]
+        row = {"concurrency": c, **{f"{k}_ms": round(st.median(v), 4) for k, v in got.items() if v},
+               "rounds": min(len(v) for v in got.values())}
+        if row.get("stock_ms") and row.get("splitkv_ms"):
+            row["splitkv_vs_stock"] = round(row["splitkv_ms"] / row["stock_ms"], 4)
+        out.append(row)
+    return out
 
 
 def step_costs(runs: list[dict]) -> list[dict]:
@@ -85,7 +155,7 @@ def step_costs(runs: list[dict]) -> list[dict]:
     return out
 
 
-def build(benches: list[dict], calls: list[str]) -> dict:
+def build(benches: list[dict], calls: list[str], log_dirs: list[str] | None = None) -> dict:
     first = benches[0]
     # a call's no-spec runs are the reference of the step costs only if the call ran a decode state or the
     # trivial verify beside them, and of the sweep only if it ran specctl or a static beside them: a sweep's
@@ -106,6 +176,12 @@ def build(benches: list[dict], calls: list[str]) -> dict:
                       "output_tokens_per_s": r.get("output_tokens_per_s")}
                      for r in sweep_runs],
            "phase_runs": [], "identity": None, "resync": None}
+    sk = splitkv_costs([r for b in benches for r in b.get("runs", [])])
+    if sk:
+        rec["splitkv"] = sk
+    if log_dirs:
+        rec["step_costs_clean"] = clean_step_costs(log_dirs, sorted({r["concurrency"] for r in rec["step_costs"]}
+                                                                    | {r["concurrency"] for r in sk}))
     seen: dict[str, int] = {}
     for r in phase:
         name = issue_name(shipped(r["policy"]))
@@ -114,21 +190,27 @@ def build(benches: list[dict], calls: list[str]) -> dict:
                                   "median_tpot_ms": r.get("median_tpot_ms"),
                                   "phases": [dict(p) for p in r.get("phases", [])],
                                   "per_phase": [dict(p) for p in r.get("per_phase", [])]})
-    for b in benches:
-        ident = (b.get("identity") or {}).get(DECODE_STATE)
+    runs_of_identity = []
+    for i, b in enumerate(benches):
+        ident = next((v for k, v in (b.get("identity") or {}).items() if step_name(k) == DECODE_STATE and v), None)
         if ident:
-            rec["identity"] = {"prompts": ident["of"], "identical": ident["identical"],
-                               "first_divergence": ident.get("first_divergence", {}),
-                               "concurrency": b.get("identity_concurrency")}
-        if b.get("identity_logits") and rec.get("identity_logits") is None:
+            tokens = max((len(x) for x in ((b.get("identity_ids") or {}).get("off") or {}).values()), default=None)
+            entry = {"prompts": ident["of"], "identical": ident["identical"],
+                     "first_divergence": ident.get("first_divergence", {}),
+                     "concurrency": b.get("identity_concurrency"), "tokens": tokens,
+                     "call": calls[i] if i < len(calls) else i}
+            if ident.get("margin_at_divergence") is not None:
+                entry["margin_at_divergence"] = ident["margin_at_divergence"]
+                entry["median_margin"] = ident.get("median_margin")
+            runs_of_identity.append(entry)
+        if (b.get("identity_logits") or b.get("identity_top2")) and rec.get("identity_logits") is None:
             # run_bench's logprob pass through a +lp decode state: where its top-2 first differs from the no-spec's
-            rec["identity_logits"] = b["identity_logits"]
+            # (recomputed from the raw top-2 where the call kept it: the margin comparison came later)
+            tops = b.get("identity_top2")
+            rec["identity_logits"] = logit_report(tops, identity=b.get("identity")) if tops else b["identity_logits"]
         if b.get("prefill_identity") and rec.get("prefill_identity") is None:
             # run_bench's prefill probe: the prompts' log-probabilities against the no-spec server's
             rec["prefill_identity"] = b["prefill_identity"]
-            if ident and b.get("identity_margins"):
-                rec["identity"]["margin_at_divergence"] = ident.get("margin_at_divergence", {})
-                rec["identity"]["median_margin"] = ident.get("median_margin")
         rs = {shipped(k): v for k, v in (b.get("resync") or {}).items()}
         if RESYNC in rs or RESYNC_SKIP in rs:
             a, s = rs.get(RESYNC) or {}, rs.get(RESYNC_SKIP) or {}
@@ -139,9 +221,18 @@ def build(benches: list[dict], calls: list[str]) -> dict:
                              "accept_same_text": a.get("accept_same_text"),
                              "accept_same_text_skip_control": s.get("accept_same_text"),
                              "off_stretch_s": a.get("off_stretch_s"), "details": rs}
-    stats = {issue_name(shipped(k)): v["request_stats"] for b in benches for k, v in (b.get("servers") or {}).items()
-             if isinstance(v, dict) and v.get("request_stats")}
-    if stats:  # run_bench --request-stats: queue time and arrival clustering per server
+    if runs_of_identity:
+        # the issue's figure: batch 1 (each prompt alone), the longest run; every run per concurrency beside it
+        one = [e for e in runs_of_identity if e["concurrency"] == 1] or runs_of_identity
+        rec["identity"] = max(one, key=lambda e: e["tokens"] or 0)
+        rec["identity_runs"] = runs_of_identity
+    stats = []
+    for i, b in enumerate(benches):
+        per = {issue_name(shipped(k)): v["request_stats"] for k, v in (b.get("servers") or {}).items()
+               if isinstance(v, dict) and v.get("request_stats")}
+        if per:  # run_bench --request-stats: queue time and arrival clustering per server, per call
+            stats.append({"call": calls[i] if i < len(calls) else i, "servers": per})
+    if stats:
         rec["request_stats"] = stats
     profiles = {k: v for b in benches for k, v in (b.get("profiles") or {}).items()}
     if profiles:  # trace_steps.py's reductions (per-step medians: GPU busy / idle, syncs, launches)
@@ -174,6 +265,13 @@ def targets(rec: dict) -> dict:
     t.update(phase_targets(rec["phase_runs"]))
     if rec["identity"]:
         t["identity"] = f"{rec['identity']['identical']}/{rec['identity']['prompts']}"
+    if rec.get("splitkv"):
+        t["s3_splitkv_le_0.87x_stock"] = {str(r["concurrency"]): r.get("splitkv_vs_stock") for r in rec["splitkv"]}
+    for r in rec.get("step_costs_clean") or []:
+        for pol, key in ((DECODE_STATE, "off_state"), (DECODE_STATE + "+lp", "off_state"), (S3_SPLITKV, "s3_splitkv")):
+            v = (r.get(pol) or {}).get("vs_no_spec" if key == "off_state" else "vs_stock")
+            if v is not None:
+                t.setdefault(f"{key}_clean_windows", {}).setdefault(str(r["concurrency"]), []).append(v)
     rs = rec.get("resync") or {}
     if rs.get("accept_same_text") and rs.get("accept_after"):
         # item 4 against the same-text reference: the shipped plugin's tail ÷ its reference (target: within
@@ -216,8 +314,10 @@ def main() -> None:
     ap.add_argument("out")
     ap.add_argument("bench", nargs="+")
     ap.add_argument("--call", action="append", default=[])
+    ap.add_argument("--logs", action="append", default=[],
+                    help="a directory of one call's server logs (g0.tgz's g0/): step costs over clean windows")
     a = ap.parse_args()
-    rec = build([json.load(open(f)) for f in a.bench], a.call)
+    rec = build([json.load(open(f)) for f in a.bench], a.call, a.logs)
     with open(a.out, "w") as f:
         json.dump(rec, f, indent=1)
     print(json.dumps(rec["targets"], indent=1))

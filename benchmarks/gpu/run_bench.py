@@ -670,6 +670,8 @@ def main():
             row["repeats_t_start"] = [r["t_start"] for r in reps]
             row["repeats_step_ms"] = [r["log"].get("step_ms_med") for r in reps]
             row["repeats_step_lines"] = [r["log"].get("n_lines", 0) for r in reps]
+            row["repeats_clean_step_ms"] = [r["log"].get("clean_step_ms_med") for r in reps]
+            row["repeats_clean_lines"] = [r["log"].get("clean_lines", 0) for r in reps]
             row["spread"] = round((max(tps) - min(tps)) / med["output_tokens_per_s"], 4) if med["output_tokens_per_s"] else None
         result["runs"].append(row)
         log(f"{pol} c={c}: {row['output_tokens_per_s']} tok/s, tpot med {row['median_tpot_ms']} ms, "

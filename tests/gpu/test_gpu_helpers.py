@@ -153,6 +153,20 @@ def test_parse_decode_lines():
     assert B.parse_decode_lines(off, 2)["step_ms_med"] == pytest.approx(5.0)
 
 
+def test_clean_windows_leave_out_the_ones_holding_a_prefill():
+    """A Decode-batch line's throughput is over the time since the previous one: a prefill between them is in
+    it. clean_step_ms_med takes only the windows without one (the first line's window is never clean)."""
+    d = "Decode batch, #running-req: 64, gen throughput (token/s): {tp}\n"
+    p = "Prefill batch, #new-seq: 1, #new-token: 80, #running-req: 63\n"
+    log = d.format(tp=1.0) + d.format(tp=8000.0) + p + d.format(tp=4000.0) + d.format(tp=8000.0) + p + p + d.format(tp=2000.0)
+    r = B.parse_decode_lines(log, 64)
+    assert r["clean_lines"] == 2 and r["clean_step_ms_med"] == pytest.approx(8.0)
+    assert r["step_ms_med"] > r["clean_step_ms_med"]  # the windows with a prefill in them count there
+    only_prefills = d.format(tp=1.0) + p + d.format(tp=4000.0)
+    assert B.parse_decode_lines(only_prefills, 64)["clean_lines"] == 0
+    assert "clean_step_ms_med" not in B.parse_decode_lines(only_prefills, 64)
+
+
 def test_summarize_and_profile():
     outs = [{"ttft": 0.1, "latency": 1.1, "tokens": 101, "verify_ct": 50},
             {"ttft": 0.2, "latency": 2.2, "tokens": 201, "verify_ct": 100}, {"error": "x"}]

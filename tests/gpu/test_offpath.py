@@ -33,18 +33,25 @@ def test_suffixes_set_the_plugin_servers_switches(pol, plain_off, skip, deg):
     assert env.get("SPECCTL_DRAFT_EXTEND_GRAPHS") == deg
 
 
-@pytest.mark.parametrize("pol,on", [("plugin-fixed:1000:s3+splitkv", True), ("specctl+splitkv+deg", True),
-                                    ("plugin-fixed:1000:s3", False)])
-def test_splitkv_suffix_turns_the_kernel_on(pol, on):
-    """+splitkv: SPECCTL_SPLITKV_VERIFY=on (issue 20's accept-length and identity checks: the same plugin server
-    with and without the kernel); without it the plugin's default (off) stands."""
+@pytest.mark.parametrize("pol,setting", [("plugin-fixed:1000:s3+splitkv", "on"), ("specctl+splitkv+deg", "on"),
+                                         ("plugin-fixed:1000:s3+stockverify", "off"), ("specctl+deg+stockverify", "off"),
+                                         ("plugin-fixed:1000:s3", None)])
+def test_splitkv_suffixes_set_the_kernel_switch(pol, setting):
+    """+splitkv / +stockverify: SPECCTL_SPLITKV_VERIFY=on / off (issue 20's accept-length and identity checks:
+    the same plugin server with and without the kernel); without either the plugin's default (on) stands."""
     _, env, _ = B.policy_launch_args(pol, "/d")
-    assert (env.get("SPECCTL_SPLITKV_VERIFY") == "on") is on
+    assert env.get("SPECCTL_SPLITKV_VERIFY") == setting
+
+
+def test_splitkv_suffixes_cannot_both_be_given():
+    with pytest.raises(ValueError, match="both ways"):
+        B.parse_policy("plugin-fixed:1000:s3+splitkv+stockverify")
 
 
 @pytest.mark.parametrize("pol", ["off+verify", "static:s3+verify", "threshold:5:s3+verify", "sglang-adaptive+verify",
                                  "threshold:5:s3+deg", "static:s1+deg", "sglang-adaptive+nodeg",
-                                 "plugin-fixed:1:s3+deg+nodeg", "static:s3+splitkv", "threshold:5:s3+splitkv"])
+                                 "plugin-fixed:1:s3+deg+nodeg", "static:s3+splitkv", "threshold:5:s3+splitkv",
+                                 "static:s3+stockverify"])
 def test_verify_suffix_needs_the_plugin(pol):
     with pytest.raises(ValueError, match="plugin"):
         B.parse_policy(pol)
@@ -102,7 +109,8 @@ def test_record_has_the_issue_fields_and_checks_the_targets():
     assert sc2[1]["off_state_deg_ms"] == 6.2 and rec2["targets"]["off_state_deg_le_1.03x_no_spec"]["1"] == round(6.2 / 6.1, 4)
     assert O.DECODE_STATE_DEG not in {r["policy"] for r in rec2["sweep"]}
     assert {r["policy"] for r in rec["sweep"]} == {"no-spec", "static:s3", "specctl"}
-    assert rec["identity"] == {"prompts": 16, "identical": 16, "first_divergence": {}, "concurrency": 1}
+    assert rec["identity"] == {"prompts": 16, "identical": 16, "first_divergence": {}, "concurrency": 1,
+                               "tokens": None, "call": "call C"}
     assert rec["resync"]["accept_after_skip_control"] == 1.05 and rec["resync"]["accept_after"] == 1.79
     assert [r["run"] for r in rec["phase_runs"] if r["policy"] == "specctl"] == [1, 2]
     t = rec["targets"]
@@ -201,7 +209,8 @@ def test_call_d_runs_end_to_end_against_the_stand_in_and_makes_the_record(tmp_pa
     assert rec["identity"]["prompts"] == 16 and rec["resync"]["details"].keys() == bench["resync"].keys()
     assert rec["targets"]["resync_tail_vs_same_text"] == 1.0  # the stand-in's accept length is the same everywhere
     assert rec["targets"]["resync_control_tail_vs_same_text"] == 1.0
-    assert set(rec["request_stats"]) == {O.issue_name(p) for p in pols}
+    assert [x["call"] for x in rec["request_stats"]] == ["call D (stand-in)"]
+    assert set(rec["request_stats"][0]["servers"]) == {O.issue_name(p) for p in pols}
 
 
 def test_phase_summary_splits_a_run_by_the_phase_each_request_was_sent_in():
@@ -272,6 +281,10 @@ def test_logit_report_finds_where_the_top2_first_differs():
     assert rep["prompts"] == 3 and rep["agree_everywhere"] == 1
     assert rep["first_logit_difference"] == {"b": 2, "c": 1}
     assert rep["logits_part_before_tokens"] == 1  # b's logits differ while its tokens never part
+    assert rep["first_margin_difference"] == {"b": 2, "c": 1}
+    shifted = {"a": [[x[0] - 0.01, x[1], x[2] - 0.01, x[3]] for x in ref["a"]]}  # the same logits, renormalised
+    rep2 = B.logit_report({"off": {"a": ref["a"]}, "lp": shifted})["lp"]
+    assert rep2["first_logit_difference"] == {"a": 0} and rep2["first_margin_difference"] == {}
 
 
 @pytest.mark.parametrize("pol,on", [("plugin-fixed:1:s3+lp", True), ("plugin-fixed:1:s3+lp+deg", True),
@@ -296,3 +309,65 @@ def test_the_lp_decode_state_counts_as_the_decode_state_in_step_costs():
     sc = rec["step_costs"][0]
     assert sc["off_state_ms"] == 6.45 and sc["no_spec_ms"] == 6.15 and sc["rounds"] == 3
     assert {r["policy"] for r in rec["sweep"]} == {"no-spec", "plugin-fixed:1000:s3"}
+
+
+def _ident(identical, c):
+    return {"identity_concurrency": c, "identity": {"off": {"identical": 16, "of": 16, "first_divergence": {}},
+                                                    O.DECODE_STATE + "+lp": {"identical": identical, "of": 16,
+                                                                             "first_divergence": {"x": 2}}},
+            "identity_ids": {"off": {"x": list(range(128 if c == 1 else 64))}}, "runs": []}
+
+
+def test_the_identity_figure_is_the_batch_1_run_and_every_run_is_kept():
+    """2026-12-02, second lease: the decode state 4/16 at c = 1 x 128 tokens, 16/16 at c = 16 x 64 (a later call):
+    the issue's figure is the batch-1 run; the other stays beside it."""
+    rec = O.build([_ident(4, 1), _ident(16, 16)], ["S", "C64"])
+    assert (rec["identity"]["identical"], rec["identity"]["concurrency"], rec["identity"]["tokens"]) == (4, 1, 128)
+    assert [(e["concurrency"], e["identical"], e["call"]) for e in rec["identity_runs"]] == [(1, 4, "S"), (16, 16, "C64")]
+    assert rec["targets"]["identity"] == "4/16"
+
+
+def test_splitkv_rows_compare_s3_with_and_without_the_kernel():
+    b = {"runs": [_row(O.S3_STOCK, 1, [8.4, 8.5, 8.45]), _row(O.S3_SPLITKV, 1, [7.1, 7.2, 7.0]),
+                  _row(O.S3_STOCK_NOW, 16, [9.9, 9.8]), _row(O.S3_SPLITKV, 16, [8.5, 8.4])]}
+    rec = O.build([b], ["S"])
+    rows = {r["concurrency"]: r for r in rec["splitkv"]}
+    assert rows[1] == {"concurrency": 1, "stock_ms": 8.45, "splitkv_ms": 7.1, "rounds": 3,
+                       "splitkv_vs_stock": round(7.1 / 8.45, 4)}
+    assert rows[16]["splitkv_vs_stock"] == round(8.45 / 9.85, 4)  # +stockverify is the stock kernel now
+    assert rec["targets"]["s3_splitkv_le_0.87x_stock"] == {"1": round(7.1 / 8.45, 4), "16": round(8.45 / 9.85, 4)}
+    assert all(r["policy"] not in (O.S3_STOCK, O.S3_SPLITKV) for r in rec["step_costs"] if "policy" in r)
+
+
+def test_rounds_use_the_clean_windows_where_every_round_has_them():
+    row = _row("off", 64, [9.5, 9.9, 9.7])
+    assert O._round_steps(row) == [9.5, 9.9, 9.7]
+    row["repeats_clean_step_ms"] = [7.9, 8.0, 8.1]
+    assert O._round_steps(row) == [7.9, 8.0, 8.1]
+    row["repeats_clean_step_ms"] = [7.9, None, 8.1]  # a round without a clean window: all windows, every round
+    assert O._round_steps(row) == [9.5, 9.9, 9.7]
+
+
+def test_clean_step_costs_read_the_server_logs_of_a_call(tmp_path):
+    """--logs DIR: each server log's windows at exactly c requests without a prefill, pooled; the decode state
+    against the no-spec server of the same call, the split-KV s3 against the stock one."""
+    d = "Decode batch, #running-req: {c}, gen throughput (token/s): {tp}\n"
+    p = "Prefill batch, #new-seq: 1, #running-req: 63\n"
+
+    def log(step_ms, c, n, with_prefills=True):
+        body = d.format(c=c, tp=1.0)
+        for _ in range(n):
+            body += d.format(c=c, tp=round(1000 * c / step_ms, 3)) + (p + d.format(c=c, tp=1.0) if with_prefills else "")
+        return body
+    (tmp_path / "8b-off.log").write_text(log(8.0, 64, 4))
+    (tmp_path / "8b-plugin-fixed_1_s3+lp.log").write_text(log(8.2, 64, 4))
+    (tmp_path / "8b-plugin-fixed_1000_s3.log").write_text(log(10.0, 16, 5, False))
+    (tmp_path / "8b-plugin-fixed_1000_s3+splitkv.log").write_text(log(8.5, 16, 5, False))
+    (tmp_path / "8b-static_s3.log").write_text(log(16.0, 64, 2))  # 2 clean windows: below the floor
+    (tmp_path / "run.log").write_text("not a server log")
+    assert O.log_policy("8b-plugin-fixed_1_s3+lp.log") == "plugin-fixed:1:s3+lp"
+    rows = {r["concurrency"]: r for r in O.clean_step_costs([str(tmp_path)], [16, 64])}
+    assert rows[64]["off"] == {"ms": 8.0, "windows": 4}
+    assert rows[64][O.DECODE_STATE + "+lp"]["vs_no_spec"] == round(8.2 / 8.0, 4)
+    assert "static:s3" not in rows[64]
+    assert rows[16][O.S3_SPLITKV]["vs_stock"] == 0.85
