@@ -35,6 +35,14 @@ PLUGIN_SWITCHES = {
 }
 
 
+# any policy's suffix -> the SGLang flags it adds to that server (the identity probe's controls: is a parting
+# the CUDA graphs', the overlap scheduler's, or the forward's)
+SERVER_FLAGS = {
+    "+nooverlap": ("--disable-overlap-schedule",),
+    "+eager": ("--disable-cuda-graph",),
+}
+
+
 def parse_policy(pol):
     """'off' | 'static:C' | 'threshold:T:C' | 'plugin-fixed:T:C' | 'sglang-adaptive' | 'specctl' | 'specctl:TREE'
     -> dict; C is a configuration: sN (chain), tree (the seed operator's s2k4n16) or sNkKnD.
@@ -47,9 +55,10 @@ def parse_policy(pol):
     (its steps-0 state no longer extends the draft; an upshift then drafts from stale state); a plugin policy
     in +verify (SPECCTL_PLAIN_DECODE=off), +deg (SPECCTL_DRAFT_EXTEND_GRAPHS=on, the default) and +nodeg
     (SPECCTL_DRAFT_EXTEND_GRAPHS=off), +splitkv (SPECCTL_SPLITKV_VERIFY=on, the default) and +stockverify
-    (off), +lp (SPECCTL_PLAIN_DECODE_LOGPROBS=on), in any order."""
+    (off), +lp (SPECCTL_PLAIN_DECODE_LOGPROBS=on), in any order. Any policy may end in +nooverlap
+    (--disable-overlap-schedule) and +eager (--disable-cuda-graph): SERVER_FLAGS."""
     base, suffixes = pol, set()
-    known = (SKIP_DE, NO_DE_GRAPHS, *PLUGIN_SWITCHES)
+    known = (SKIP_DE, NO_DE_GRAPHS, *PLUGIN_SWITCHES, *SERVER_FLAGS)
     for suffix in known * len(known):
         if base.endswith(suffix):
             base, _ = base[:-len(suffix)], suffixes.add(suffix)
@@ -65,6 +74,9 @@ def parse_policy(pol):
             if p.get(field_, value) is not value:
                 raise ValueError(f"{pol!r}: two suffixes set {field_} both ways")
             p[field_] = value
+    flags = [f for suffix, fl in SERVER_FLAGS.items() if suffix in suffixes for f in fl]
+    if flags:
+        p["server_flags"] = flags
     if NO_DE_GRAPHS in suffixes:
         if p["kind"] not in ("specctl", "plugin-fixed") or DE_GRAPHS in suffixes:
             raise ValueError(f"{pol!r}: {NO_DE_GRAPHS} needs a plugin policy without {DE_GRAPHS}")
@@ -160,7 +172,7 @@ def policy_launch_args(pol, draft, specctl_max_steps=3):
             env = dict(env, **{var: setting})
     if p.get("draft_extend_graphs") is False:  # +nodeg
         env = dict(env, SPECCTL_DRAFT_EXTEND_GRAPHS="off")
-    return args, env, cfg
+    return args + list(p.get("server_flags", ())), env, cfg
 
 
 def _launch_args(p, draft, specctl_max_steps):

@@ -371,3 +371,17 @@ def test_clean_step_costs_read_the_server_logs_of_a_call(tmp_path):
     assert rows[64][O.DECODE_STATE + "+lp"]["vs_no_spec"] == round(8.2 / 8.0, 4)
     assert "static:s3" not in rows[64]
     assert rows[16][O.S3_SPLITKV]["vs_stock"] == 0.85
+
+
+@pytest.mark.parametrize("pol,flags", [("off+eager", ["--disable-cuda-graph"]),
+                                       ("plugin-fixed:1:s3+nooverlap", ["--disable-overlap-schedule"]),
+                                       ("plugin-fixed:1:s3+lp+eager+nooverlap",
+                                        ["--disable-overlap-schedule", "--disable-cuda-graph"]),
+                                       ("static:s3+eager", ["--disable-cuda-graph"]), ("off", [])])
+def test_server_flag_suffixes_reach_the_servers_command_line(pol, flags):
+    """The identity probe's controls (2026-12-02: the decode state is bit-identical to the no-spec server at batch 16,
+    not at 1): the same server without CUDA graphs, or without the overlap scheduler."""
+    args, env, _ = B.policy_launch_args(pol, "/d")
+    assert [a for a in args if a in ("--disable-cuda-graph", "--disable-overlap-schedule")] == flags
+    base = B.parse_policy(pol.split("+")[0])
+    assert B.parse_policy(pol)["kind"] == base["kind"]
