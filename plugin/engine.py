@@ -68,6 +68,11 @@ class PluginSettings:
     # (SGLang 0.5.17 captures every state's at the launch width, so steps 0 / s1 / s2 extend eagerly: on the
     # H200, 2026-12-01, the decode state's step at batch 5 went from 10.7 to 6.7 ms under the profiler with it)
     draft_extend_graphs: bool = True
+    # SPECCTL_PLAIN_DECODE_FLASHINFER: the decode state on the flashinfer attention backend too (its own
+    # FlashInferAttnBackend and decode graphs, as on triton); off until the GPU has checked its greedy
+    # outputs and step cost there (issue "cheaper speculative steps", item 2): flashinfer launches keep
+    # SGLang's 1-token verify
+    plain_decode_flashinfer: bool = False
     # SPECCTL_PLAIN_DECODE_LOGPROBS: steps where a request asks for log-probabilities run the decode state
     # too (SGLang computes them from its logits); off (the default until the GPU has compared them with the
     # no-spec server's): those steps run the trivial verify
@@ -98,7 +103,8 @@ class PluginSettings:
         `SPECCTL_PLAIN_DECODE` (`on` | `off`: speculation off as a decode forward, or SGLang's
         1-token verify), `SPECCTL_SPLITKV_VERIFY` (`on` | `off`: the split-KV verify kernel for
         topk-1 chains on CUDA), `SPECCTL_DRAFT_EXTEND_GRAPHS` (`on` | `off`), `SPECCTL_PLAIN_DECODE_LOGPROBS`
-        (`on` | `off`: steps with log-probability requests in the decode state too)."""
+        (`on` | `off`: steps with log-probability requests in the decode state too),
+        `SPECCTL_PLAIN_DECODE_FLASHINFER` (`on` | `off`: the decode state on flashinfer too)."""
 
         def get(name: str) -> Optional[str]:
             v = env.get(ENV_PREFIX + name)
@@ -130,7 +136,8 @@ class PluginSettings:
         kw["decision_log"] = get("DECISION_LOG")
         for name, field_, default in (("PLAIN_DECODE", "plain_decode", "on"), ("SPLITKV_VERIFY", "splitkv_verify", "on"),
                                       ("DRAFT_EXTEND_GRAPHS", "draft_extend_graphs", "on"),
-                                      ("PLAIN_DECODE_LOGPROBS", "plain_decode_logprobs", "off")):
+                                      ("PLAIN_DECODE_LOGPROBS", "plain_decode_logprobs", "off"),
+                                      ("PLAIN_DECODE_FLASHINFER", "plain_decode_flashinfer", "off")):
             v = (get(name) or default).lower()
             if v not in ("on", "off", "1", "0", "true", "false"):
                 raise ValueError(f"SPECCTL_{name} must be on or off, not {v!r}")

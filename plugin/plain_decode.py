@@ -124,7 +124,16 @@ def unsupported_reason(worker: Any) -> Optional[str]:
     return None
 
 
-def build(worker: Any, *, agree: Callable[[bool], bool], backends: tuple[str, ...] = ("TritonAttnBackend",)) -> Optional[PlainDecode]:
+TRITON, FLASHINFER = "TritonAttnBackend", "FlashInferAttnBackend"
+
+
+def backends(flashinfer: bool = False) -> tuple[str, ...]:
+    """The attention backends the decode state is built on: triton (measured on the H200), and flashinfer
+    where SPECCTL_PLAIN_DECODE_FLASHINFER=on (not yet checked on a GPU: off by default)."""
+    return (TRITON, FLASHINFER) if flashinfer else (TRITON,)
+
+
+def build(worker: Any, *, agree: Callable[[bool], bool], backends: tuple[str, ...] = (TRITON,)) -> Optional[PlainDecode]:
     """AFTER init_cuda_graphs: capture the decode state's graphs (the decode batch sizes of the
     launch) with a fresh attention backend of the launch's kind. None when it cannot run here; the
     reason is logged once. `agree(ok)` is True only when every TP rank built (gloo MIN)."""
@@ -168,7 +177,8 @@ def _capture(worker: Any, backends: tuple[str, ...]) -> PlainDecode:
             mr.init_new_workspace = keep
         kind = type(backend).__name__
         if kind not in backends:
-            raise RuntimeError(f"attention backend {kind} (the decode state supports {', '.join(backends)})")
+            hint = "; SPECCTL_PLAIN_DECODE_FLASHINFER=on tries flashinfer" if kind == FLASHINFER else ""
+            raise RuntimeError(f"attention backend {kind} (the decode state supports {', '.join(backends)}{hint})")
         runner = None
         if getattr(steps0, "target_graph_runner", None) is not None:  # CUDA graphs on (SGLang built one)
             runner = runner_class()(mr, attn_backend=backend, speculative_num_steps=0,

@@ -388,7 +388,8 @@ class PluginRuntime:
                 group = self.tp_group_fn()
             except Exception:  # noqa: BLE001 - no group: a single process
                 group = _SingleProcess()
-        self.plain = plain_decode.build(worker, agree=plain_decode.tp_agree(group))
+        self.plain = plain_decode.build(worker, agree=plain_decode.tp_agree(group),
+                                        backends=plain_decode.backends(self.settings.plain_decode_flashinfer))
         if self.plain is not None:
             self.plain.logprobs = bool(self.settings.plain_decode_logprobs)
 

@@ -214,12 +214,14 @@ def max_concurrency(levels, phase_concurrencies=(), identity_c=1, resync=False):
     return max(parts)
 
 
-def server_args(maxc, mem_fraction, *, max_total_tokens=0, prefill_graph=False, request_stats=False):
+def server_args(maxc, mem_fraction, *, max_total_tokens=0, prefill_graph=False, request_stats=False,
+                attention_backend="triton"):
     """The SGLang flags every testbed server shares (run_bench.py, specctl_e2e.py), so that their figures compare.
     max_total_tokens caps the KV pool (servers started together on one GPU then all fit); without prefill_graph
     the prefill CUDA graphs are not captured (~50 s less start-up per server; decode graphs stay); request_stats
-    has every finished request log its time in the wait queue (`ReqTimeStats` lines: request_stats())."""
-    args = ["--attention-backend", "triton", "--sampling-backend", "pytorch", "--grammar-backend", "none",
+    has every finished request log its time in the wait queue (`ReqTimeStats` lines: request_stats());
+    attention_backend: every server's (triton, the testbed's, or flashinfer: issue 20 item 2)."""
+    args = ["--attention-backend", attention_backend, "--sampling-backend", "pytorch", "--grammar-backend", "none",
             "--mm-feature-transport", "cpu", "--decode-log-interval", "10", "--max-running-requests", str(maxc),
             "--cuda-graph-max-bs-decode", str(maxc), "--mem-fraction-static", str(mem_fraction),
             "--chunked-prefill-size", "8192", "--sleep-on-idle", "--host", "127.0.0.1"]

@@ -169,7 +169,7 @@ def build(benches: list[dict], calls: list[str], log_dirs: list[str] | None = No
         sweep_runs += [r for r in runs if step_name(r["policy"]) not in STEP_POLICIES
                        or (r["policy"] == "off" and has_sweep)]
     phase = [r for b in benches for r in b.get("phase_runs", [])]
-    rec = {"gpu": first.get("gpu"), "sglang": first.get("sglang"), "attention_backend": "triton",
+    rec = {"gpu": first.get("gpu"), "sglang": first.get("sglang"), "attention_backend": first.get("attention_backend", "triton"),
            "model": first.get("model"), "draft": first.get("draft"), "calls": calls,
            "step_costs": step_costs(step_runs),
            "sweep": [{"concurrency": r["concurrency"], "policy": issue_name(shipped(r["policy"])),

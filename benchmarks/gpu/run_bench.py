@@ -519,6 +519,8 @@ def main():
     ap.add_argument("--results", default=None, help="also write the results JSON here")
     ap.add_argument("--parallel", type=int, default=3)
     ap.add_argument("--mem-fraction", type=float, default=0.0, help="per server; 0 = 0.8/parallel")
+    ap.add_argument("--attention-backend", default="triton", choices=("triton", "flashinfer"),
+                    help="every server's attention backend (the decode state runs on triton only)")
     ap.add_argument("--max-total-tokens", type=int, default=0,
                     help="cap each server's KV pool (tokens): with it, servers started at once on one GPU can all "
                          "use a high --mem-fraction (SGLang checks the fraction against the memory free at its "
@@ -549,10 +551,10 @@ def main():
                              resync=bool(a.resync))
     memf = a.mem_fraction or round(0.8 / max(1, min(a.parallel, len(policies))), 3)
     common = server_args(maxc, memf, max_total_tokens=a.max_total_tokens, prefill_graph=a.prefill_graph,
-                         request_stats=a.request_stats)
+                         request_stats=a.request_stats, attention_backend=a.attention_backend)
     plugin_pols = [p for p in policies if parse_policy(p)["kind"] in ("specctl", "plugin-fixed")]
     site = SC.make_site(a.specctl_site) if plugin_pols else None
-    result = {"gpu": None, "sglang": "0.5.17", "model": "SmolLM2-135M-Instruct" + ("" if a.variant == "base" else f" zero-padded ({a.variant})"),
+    result = {"gpu": None, "sglang": "0.5.17", "attention_backend": a.attention_backend, "model": "SmolLM2-135M-Instruct" + ("" if a.variant == "base" else f" zero-padded ({a.variant})"),
               "variant": a.variant, "draft": a.draft, "new_tokens": a.new_tokens, "prompts": "MT-Bench turn 1 + HumanEval (chat)",
               "runs": [], "phase_runs": [], "servers": {}, "identity": {}, "identity_concurrency": a.identity_c}
     try:

@@ -256,6 +256,9 @@ def test_server_args_shared_by_the_runner_and_the_checks():
     assert "--disable-prefill-cuda-graph" in a
     b = B.server_args(8, 0.2, prefill_graph=True)
     assert "--max-total-tokens" not in b and "--disable-prefill-cuda-graph" not in b
+    assert a[a.index("--attention-backend") + 1] == "triton"
+    f = B.server_args(8, 0.2, attention_backend="flashinfer")
+    assert f[f.index("--attention-backend") + 1] == "flashinfer" and f.count("--attention-backend") == 1
 
 
 def test_identity_margins_and_deterministic_variant():

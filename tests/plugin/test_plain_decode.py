@@ -363,6 +363,36 @@ def test_build_needs_every_rank_and_logs_why_not(monkeypatch, caplog):
     assert votes == [False] and "MemoryError: capture out of memory" in caplog.text
 
 
+def test_flashinfer_is_a_decode_state_backend_only_when_asked():
+    from specctl.plugin.engine import PluginSettings
+
+    assert pd.backends(False) == ("TritonAttnBackend",)
+    assert pd.backends(True) == ("TritonAttnBackend", "FlashInferAttnBackend")
+    assert PluginSettings.from_env({}).plain_decode_flashinfer is False
+    assert PluginSettings.from_env({"SPECCTL_PLAIN_DECODE_FLASHINFER": "on"}).plain_decode_flashinfer is True
+    with pytest.raises(ValueError, match="SPECCTL_PLAIN_DECODE_FLASHINFER"):
+        PluginSettings.from_env({"SPECCTL_PLAIN_DECODE_FLASHINFER": "sometimes"})
+
+
+def test_the_runtime_builds_on_the_backends_its_settings_name(monkeypatch):
+    from specctl.plugin import sglang_hooks
+    from specctl.plugin.engine import PluginSettings
+
+    seen = []
+    monkeypatch.setattr(pd, "build", lambda worker, agree, backends: seen.append(backends))
+    for env, want in (({}, ("TritonAttnBackend",)),
+                      ({"SPECCTL_PLAIN_DECODE_FLASHINFER": "on"}, ("TritonAttnBackend", "FlashInferAttnBackend"))):
+        rt = sglang_hooks.PluginRuntime.__new__(sglang_hooks.PluginRuntime)
+        rt.settings = PluginSettings.from_env({"SPECCTL_TELEMETRY": "none", "SPECCTL_POLICY": "none", **env})
+        rt.targets, rt.missing_hooks, rt.tp_group = sglang_hooks.SGLANG_TARGETS, set(), _OneRank()
+        rt.build_plain(object())
+        assert seen[-1] == want
+
+
+class _OneRank:
+    pass
+
+
 # ------------------------------------------------------------------ against the real sglang modules
 
 
