@@ -23,6 +23,7 @@ SPLITKV = "+splitkv"  # plugin policy suffix: SPECCTL_SPLITKV_VERIFY=on (SGLang'
 #                       the plugin's default since 2026-12-02: kept so that earlier commands still mean what they did)
 STOCK_VERIFY = "+stockverify"  # plugin policy suffix: SPECCTL_SPLITKV_VERIFY=off (SGLang's extend kernel: the control)
 LOGPROBS = "+lp"  # plugin policy suffix: SPECCTL_PLAIN_DECODE_LOGPROBS=on (logprob steps in the decode state too)
+FLASHINFER = "+fi"  # plugin policy suffix: SPECCTL_PLAIN_DECODE_FLASHINFER=on (the decode state on flashinfer too)
 # a plugin policy's suffix -> (parse_policy's field, its value, the plugin's switch, its setting, why a plugin)
 PLUGIN_SWITCHES = {
     VERIFY_OFF: ("plain_decode", False, "SPECCTL_PLAIN_DECODE", "off", "it turns the plugin's decode state off"),
@@ -32,6 +33,8 @@ PLUGIN_SWITCHES = {
     STOCK_VERIFY: ("splitkv_verify", False, "SPECCTL_SPLITKV_VERIFY", "off", "the kernel switch is the plugin's"),
     LOGPROBS: ("plain_decode_logprobs", True, "SPECCTL_PLAIN_DECODE_LOGPROBS", "on",
                "it lets logprob steps into its decode state"),
+    FLASHINFER: ("plain_decode_flashinfer", True, "SPECCTL_PLAIN_DECODE_FLASHINFER", "on",
+                 "it builds its decode state on flashinfer"),
 }
 
 
@@ -55,7 +58,7 @@ def parse_policy(pol):
     (its steps-0 state no longer extends the draft; an upshift then drafts from stale state); a plugin policy
     in +verify (SPECCTL_PLAIN_DECODE=off), +deg (SPECCTL_DRAFT_EXTEND_GRAPHS=on, the default) and +nodeg
     (SPECCTL_DRAFT_EXTEND_GRAPHS=off), +splitkv (SPECCTL_SPLITKV_VERIFY=on, the default) and +stockverify
-    (off), +lp (SPECCTL_PLAIN_DECODE_LOGPROBS=on), in any order. Any policy may end in +nooverlap
+    (off), +lp (SPECCTL_PLAIN_DECODE_LOGPROBS=on), +fi (SPECCTL_PLAIN_DECODE_FLASHINFER=on), in any order. Any policy may end in +nooverlap
     (--disable-overlap-schedule) and +eager (--disable-cuda-graph): SERVER_FLAGS."""
     base, suffixes = pol, set()
     known = (SKIP_DE, NO_DE_GRAPHS, *PLUGIN_SWITCHES, *SERVER_FLAGS)

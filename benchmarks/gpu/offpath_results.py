@@ -45,8 +45,9 @@ RESYNC, RESYNC_SKIP = "plugin-fixed:5:s3", "plugin-fixed:5:s3+skipde"
 
 def step_name(pol: str) -> str:
     """A policy's name in the step-cost columns: +lp (log-probability steps in the decode state) changes
-    nothing on the loads' steps, which ask for none."""
-    return pol.replace("+lp", "")
+    nothing on the loads' steps, which ask for none; +fi (the decode state on flashinfer) is the decode state
+    of a flashinfer call (the record's attention_backend)."""
+    return pol.replace("+lp", "").replace("+fi", "")
 
 
 def issue_name(pol: str) -> str:

@@ -385,3 +385,11 @@ def test_server_flag_suffixes_reach_the_servers_command_line(pol, flags):
     assert [a for a in args if a in ("--disable-cuda-graph", "--disable-overlap-schedule")] == flags
     base = B.parse_policy(pol.split("+")[0])
     assert B.parse_policy(pol)["kind"] == base["kind"]
+
+
+def test_fi_suffix_builds_the_decode_state_on_flashinfer():
+    _, env, _ = B.policy_launch_args("plugin-fixed:1:s3+fi", "/d")
+    assert env.get("SPECCTL_PLAIN_DECODE_FLASHINFER") == "on"
+    assert "SPECCTL_PLAIN_DECODE_FLASHINFER" not in B.policy_launch_args("plugin-fixed:1:s3", "/d")[1]
+    with pytest.raises(ValueError, match="plugin"):
+        B.parse_policy("static:s3+fi")
