@@ -1,4 +1,5 @@
 """Pure helpers of the GPU runner (stdlib only; tested on CPU in tests/gpu/)."""
+import bisect
 import json
 import os
 import re
@@ -241,24 +242,74 @@ R_REQ_STATS = re.compile(r"ReqTimeStats\(rid=[^,]*, input_len=(\d+), cached_inpu
                          r"queue_duration=([\d.]+)ms, forward_duration=([\d.]+)ms, entry_time=([\d.]+)")
 
 
-def request_stats(text, min_gap_ms=1.0):
+def spread_tokens(new, spread, k):
+    """The k-th request's max_new_tokens: `new` when spread is 0, else new + an offset in [-spread, spread] that
+    depends on k alone (every server of a call gets the same sequence). 2026-12-02: with one cap for every request,
+    the requests one prefill admitted finish at the same step on a server that emits one token per step, and their
+    clients' next requests share a prefill again ("lockstep cohorts"), which speculation (per-request accept lengths)
+    dissolves: a spread of caps is the control that removes this artefact of the closed loop."""
+    if spread <= 0:
+        return new
+    return max(1, new + (k * 2654435761) % (2 * spread + 1) - spread)
+
+
+def request_stats(text, min_gap_ms=1.0, cap=None, finish_gap_ms=1.5):
     """SGLang's per-request `ReqTimeStats` lines (--enable-request-time-stats-logging) -> how long requests waited
     in the queue before their prefill (ms: median, p90, mean) and how their arrivals at the scheduler cluster:
     `arrival_groups`, the runs of entries less than min_gap_ms apart (a group can share one prefill), and
-    requests per group. None without such lines. 2026-12-02: an EAGLE-3 server ran 21 % more prefill iterations
-    per request than the no-spec server on the same load; this says whether its requests arrive more spread out
-    or wait differently."""
-    rows = [(float(m.group(6)), float(m.group(4)), float(m.group(5)), int(m.group(1)), int(m.group(2)))
+    requests per group. An entry is stamped when the scheduler's receive pass takes the request (once per loop
+    iteration), so the groups are its prefill batches, and the queue time leaves out the wait in the socket.
+    `finish_groups`: the runs of finish times (entry + queue + forward) less than finish_gap_ms apart, i.e. the
+    decode steps where requests finished; with cap (the load's max_new_tokens) `lockstep`: of the pairs of requests
+    that ran to the cap and were admitted in one receive pass, the share that finished in one step (`capped_frac`:
+    how many ran to the cap). 2026-12-02: on a server emitting one token a step lockstep is ~1, the finishers of a
+    step come back together and share a prefill; speculation's per-request accept lengths take it to ~0.02, and
+    the server runs ~20 % more prefill iterations (docs/gpu-testbed.md, item 1). None without such lines."""
+    rows = [(float(m.group(6)), float(m.group(4)), float(m.group(5)), int(m.group(1)), int(m.group(2)), int(m.group(3)))
             for m in R_REQ_STATS.finditer(text)]
     if not rows:
         return None
     q = sorted(r[1] for r in rows)
     entries = sorted(r[0] for r in rows)
     groups = 1 + sum(1 for a, b in zip(entries, entries[1:]) if (b - a) * 1000.0 >= min_gap_ms)
-    return {"requests": len(rows), "queue_ms_median": round(q[len(q) // 2], 3),
-            "queue_ms_p90": round(q[min(len(q) - 1, int(0.9 * len(q)))], 3), "queue_ms_mean": round(sum(q) / len(q), 3),
-            "arrival_groups": groups, "requests_per_group": round(len(rows) / groups, 3),
-            "cached_input_frac": round(sum(r[4] for r in rows) / max(1, sum(r[3] for r in rows)), 4)}
+    out = {"requests": len(rows), "queue_ms_median": round(q[len(q) // 2], 3),
+           "queue_ms_p90": round(q[min(len(q) - 1, int(0.9 * len(q)))], 3), "queue_ms_mean": round(sum(q) / len(q), 3),
+           "arrival_groups": groups, "requests_per_group": round(len(rows) / groups, 3),
+           "cached_input_frac": round(sum(r[4] for r in rows) / max(1, sum(r[3] for r in rows)), 4)}
+    # when each request finished: entry + queue + forward (one result-processing pass stamps a step's finishers
+    # within finish_gap_ms); entry groups are the scheduler's receive passes, i.e. its prefill batches
+    tol = finish_gap_ms / 1000.0
+    done = sorted((r[0] + (r[1] + r[2]) / 1000.0, r[5]) for r in rows)
+    out["finish_groups"] = 1 + sum(1 for a, b in zip(done, done[1:]) if b[0] - a[0] >= tol)
+    out["arrival_per_finish_group"] = round(groups / out["finish_groups"], 3)
+    if cap:
+        # lockstep: of the pairs of cap-length requests admitted in one receive pass, the share that finished together
+        by_entry: dict = {}
+        starts = []
+        for e in entries:
+            if not starts or (e - starts[-1][1]) * 1000.0 >= min_gap_ms:
+                starts.append([e, e])
+            else:
+                starts[-1][1] = e
+        first = [g[0] for g in starts]
+        for r in rows:
+            if r[5] >= cap:
+                by_entry.setdefault(bisect.bisect_right(first, r[0]) - 1, []).append(r[0] + (r[1] + r[2]) / 1000.0)
+        pairs = same = 0
+        for ts in by_entry.values():
+            ts.sort()
+            pairs += len(ts) * (len(ts) - 1) // 2
+            run = 1
+            for a, b in zip(ts, ts[1:]):
+                if b - a < tol:
+                    run += 1
+                else:
+                    same += run * (run - 1) // 2
+                    run = 1
+            same += run * (run - 1) // 2
+        out["lockstep"] = round(same / pairs, 3) if pairs else None
+        out["capped_frac"] = round(sum(1 for r in rows if r[5] >= cap) / len(rows), 3)
+    return out
 
 
 def parse_decode_lines(text, n=None):

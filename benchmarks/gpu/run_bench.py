@@ -207,31 +207,36 @@ async def one_request(session, port, ids, new, out, stream=True, pid=None, top2=
         out.append({"error": repr(e)[:200], "t_end": time.time()})
 
 
-async def closed_loop(port, items, conc, n_req, new, stream=True, top2=False, ignore_eos=False, prefill_lp=False):
+async def closed_loop(port, items, conc, n_req, new, stream=True, top2=False, ignore_eos=False, prefill_lp=False,
+                      spread=0):
+    """conc clients sending n_req requests (items in order, cycled); the k-th request drawn asks for
+    spread_tokens(new, spread, k) tokens."""
     import aiohttp
-    out, it = [], iter(items * (1 + n_req // max(1, len(items))))
+    out, it = [], enumerate(items * (1 + n_req // max(1, len(items))))
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=900)) as s:
         async def worker(k):
             for _ in range(k):
-                x = next(it)
-                await one_request(s, port, x["ids"], new, out, stream, x.get("id"), top2=top2, ignore_eos=ignore_eos,
-                                  prefill_lp=prefill_lp)
+                j, x = next(it)
+                await one_request(s, port, x["ids"], B.spread_tokens(new, spread, j), out, stream, x.get("id"),
+                                  top2=top2, ignore_eos=ignore_eos, prefill_lp=prefill_lp)
         per = [n_req // conc + (1 if i < n_req % conc else 0) for i in range(conc)]
         t = time.time()
         await asyncio.gather(*[worker(k) for k in per if k])
         return out, time.time() - t
 
 
-async def phase_loop(port, pools, phases, new, seed=0):
+async def phase_loop(port, pools, phases, new, seed=0, spread=0):
     """The phase workload: every request's record carries the phase it was sent in (`phase`); returns (records,
-    wall, the epoch the first phase began at)."""
+    wall, the epoch the first phase began at). The n-th request sent asks for spread_tokens(new, spread, n)."""
     import aiohttp
     rng = random.Random(seed)
     out, idx = [], {k: 0 for k in pools}
+    sent = [0]
 
     async def tagged(s, k, ids):
         got = []
-        await one_request(s, port, ids, new, got)
+        sent[0] += 1
+        await one_request(s, port, ids, B.spread_tokens(new, spread, sent[0] - 1), got)
         for o in got:
             o["phase"] = k
         out.extend(got)
@@ -483,6 +488,9 @@ def main():
     ap.add_argument("--policies", default="off,static:s1,static:s2,static:s3,threshold:5:s3,sglang-adaptive")
     ap.add_argument("--levels", default="1,2,4,8,16,32,64,128")
     ap.add_argument("--new-tokens", type=int, default=256)
+    ap.add_argument("--new-tokens-spread", type=int, default=0,
+                    help="the levels' and phases' requests get max_new_tokens in new-tokens +- this (a fixed sequence, "
+                         "the same for every server): no lockstep cohorts at one cap (benchlib.spread_tokens)")
     ap.add_argument("--req-per-level", default="max(3*c,24)", help="python expression in c")
     ap.add_argument("--repeats", type=int, default=1, help="closed loops per level (same requests); the row is the "
                                                                "median one, with every repetition's tok/s and the spread")
@@ -555,7 +563,7 @@ def main():
     plugin_pols = [p for p in policies if parse_policy(p)["kind"] in ("specctl", "plugin-fixed")]
     site = SC.make_site(a.specctl_site) if plugin_pols else None
     result = {"gpu": None, "sglang": "0.5.17", "attention_backend": a.attention_backend, "model": "SmolLM2-135M-Instruct" + ("" if a.variant == "base" else f" zero-padded ({a.variant})"),
-              "variant": a.variant, "draft": a.draft, "new_tokens": a.new_tokens, "prompts": "MT-Bench turn 1 + HumanEval (chat)",
+              "variant": a.variant, "draft": a.draft, "new_tokens": a.new_tokens, "new_tokens_spread": a.new_tokens_spread, "prompts": "MT-Bench turn 1 + HumanEval (chat)",
               "runs": [], "phase_runs": [], "servers": {}, "identity": {}, "identity_concurrency": a.identity_c}
     try:
         result["gpu"] = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
@@ -654,7 +662,7 @@ def main():
         """One closed loop at concurrency c (always the same request set): the summary + the log lines' steps."""
         n_req = int(eval(a.req_per_level, {"max": max, "min": min}, {"c": c}))
         off = os.path.getsize(sv["log"])
-        outs, wall = asyncio.run(closed_loop(sv["port"], mixed, c, n_req, a.new_tokens))
+        outs, wall = asyncio.run(closed_loop(sv["port"], mixed, c, n_req, a.new_tokens, spread=a.new_tokens_spread))
         r = summarize_requests(outs, wall)
         time.sleep(0.3)
         with open(sv["log"]) as f:
@@ -692,7 +700,8 @@ def main():
         if not a.phase or time.time() > deadline - 20 - sum(p["duration_s"] for p in phases):
             return
         off = os.path.getsize(sv["log"])
-        outs, wall, t_first = asyncio.run(phase_loop(sv["port"], pools, phases, a.new_tokens))
+        outs, wall, t_first = asyncio.run(phase_loop(sv["port"], pools, phases, a.new_tokens,
+                                                     spread=a.new_tokens_spread))
         with open(sv["log"]) as f:
             f.seek(off)
             lines = f.read()
@@ -712,7 +721,8 @@ def main():
             finish_plugin_run(sv, result["servers"][sv["policy"]], a.out)
         if a.request_stats:  # the whole log's requests (the phases' arrival times are in the phase runs' t_start)
             try:
-                result["servers"][sv["policy"]]["request_stats"] = B.request_stats(open(sv["log"], errors="replace").read())
+                result["servers"][sv["policy"]]["request_stats"] = B.request_stats(
+                    open(sv["log"], errors="replace").read(), cap=None if a.new_tokens_spread else a.new_tokens)
             except OSError as e:
                 result["servers"][sv["policy"]]["request_stats"] = {"error": str(e)}
 

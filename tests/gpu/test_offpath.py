@@ -393,3 +393,28 @@ def test_fi_suffix_builds_the_decode_state_on_flashinfer():
     assert "SPECCTL_PLAIN_DECODE_FLASHINFER" not in B.policy_launch_args("plugin-fixed:1:s3", "/d")[1]
     with pytest.raises(ValueError, match="plugin"):
         B.parse_policy("static:s3+fi")
+
+
+def test_spread_tokens_is_a_fixed_sequence_around_the_cap():
+    assert [B.spread_tokens(128, 0, k) for k in range(5)] == [128] * 5
+    seq = [B.spread_tokens(128, 32, k) for k in range(400)]
+    assert seq == [B.spread_tokens(128, 32, k) for k in range(400)]  # the same for every server
+    assert min(seq) >= 96 and max(seq) <= 160 and len(set(seq)) > 40
+    assert B.spread_tokens(4, 10, 3) >= 1
+
+
+def test_request_stats_count_finish_steps_and_lockstep_cohorts():
+    """Two receive passes (entries 0.2 ms apart within each); the first pass's three capped requests finish
+    together (one step), the second's two at different steps; one request ended early at EOS."""
+    line = ("[x] ReqTimeStats(rid=r{i}, input_len=100, cached_input_len=90, output_len={n}, attempts=1, type=unified): "
+            "queue_duration={q}ms, forward_duration={f}ms, entry_time={t}")
+    rows = [(0, 128, "1.00", "800.00", "1000.0000"), (1, 128, "1.00", "799.80", "1000.0002"),
+            (2, 128, "1.00", "799.60", "1000.0004"), (3, 40, "1.00", "300.00", "1000.0006"),
+            (4, 128, "1.00", "800.00", "1000.5000"), (5, 128, "1.00", "900.00", "1000.5002")]
+    text = "\n".join(line.format(i=i, n=n, q=q, f=f, t=t) for i, n, q, f, t in rows)
+    rs = B.request_stats(text, cap=128)
+    assert rs["arrival_groups"] == 2
+    assert rs["finish_groups"] == 4  # 1000.801 (three), 1000.302, 1001.301, 1001.401
+    assert rs["lockstep"] == round(3 / (3 + 1), 3)  # 3 of the 4 same-pass capped pairs finished together
+    assert rs["capped_frac"] == round(5 / 6, 3)
+    assert "lockstep" not in B.request_stats(text)
