@@ -61,8 +61,8 @@ class PluginSettings:
     plain_decode: bool = True
     # SGLang's split-KV verify attention kernel (upstream: AMD gfx95 only) for topk-1 chains on CUDA: on
     # since its GPU checks passed (H200, 2026-12-02: 48/48 cases within the extend kernel's error against
-    # fp32; static s3 through the plugin 0.70-0.84x the stock step, accept length and greedy agreement
-    # with the no-spec server unchanged). SGLANG_ENABLE_SPLITKV_VERIFY=0 keeps it off too, as in SGLang
+    # fp32; an s3 step through the plugin 0.84x / 0.86x the stock one at c = 1 / 16, accept length and
+    # greedy agreement with the no-spec server unchanged). SGLANG_ENABLE_SPLITKV_VERIFY=0 keeps it off too
     splitkv_verify: bool = True
     # SPECCTL_DRAFT_EXTEND_GRAPHS: each chain state's draft-extend CUDA graph captured at its own width
     # (SGLang 0.5.17 captures every state's at the launch width, so steps 0 / s1 / s2 extend eagerly: on the
