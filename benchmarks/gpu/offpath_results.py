@@ -62,6 +62,7 @@ def issue_name(pol: str) -> str:
 
 S3_STOCK, S3_SPLITKV = "plugin-fixed:1000:s3", "plugin-fixed:1000:s3+splitkv"
 S3_STOCK_NOW = "plugin-fixed:1000:s3+stockverify"  # the stock kernel since the split-KV one is the default
+S3_POLICIES = (S3_STOCK, S3_SPLITKV, S3_STOCK_NOW)
 
 
 def _round_steps(row: dict) -> list[float]:
@@ -87,8 +88,8 @@ MIN_CLEAN_WINDOWS = 3  # fewer windows without a prefill at exactly c requests: 
 def clean_step_costs(log_dirs: list[str], concurrencies: list[int]) -> list[dict]:
     """Per call (a directory of run_bench server logs) and concurrency: each step policy's median step time over
     the whole log's Decode-batch windows at exactly c running requests that hold no prefill (benchlib's
-    clean_step_ms_med; at least MIN_CLEAN_WINDOWS of them), with how many windows; the decode state and the split-KV s3 against their call's
-    no-spec / stock s3 server. The rounds are pooled (the logs do not mark them)."""
+    clean_step_ms_med; at least MIN_CLEAN_WINDOWS of them), with how many windows; the decode state and the
+    split-KV s3 against their call's no-spec / stock s3 server. The rounds are pooled (the logs do not mark them)."""
     from benchlib import parse_decode_lines
 
     out = []
@@ -118,7 +119,7 @@ def splitkv_costs(runs: list[dict]) -> list[dict]:
     by: dict[int, dict[str, list[float]]] = {}
     for r in runs:
         pol = r["policy"]
-        if pol in (S3_STOCK, S3_STOCK_NOW, S3_SPLITKV):
+        if pol in S3_POLICIES:
             key = "splitkv" if pol == S3_SPLITKV else "stock"
             by.setdefault(r["concurrency"], {})[key] = _round_steps(r)
     out = []
@@ -164,8 +165,9 @@ def build(benches: list[dict], calls: list[str], log_dirs: list[str] | None = No
     step_runs, sweep_runs = [], []
     for b in benches:
         runs = b.get("runs", [])
-        pols = {step_name(r["policy"]) for r in runs}
+        pols = {step_name(r["policy"]) for r in runs} - set(S3_POLICIES)  # the s3 kernel rows: rec["splitkv"]
         has_steps, has_sweep = bool(pols & (set(STEP_POLICIES) - {"off"})), bool(pols - set(STEP_POLICIES))
+        runs = [r for r in runs if r["policy"] not in S3_POLICIES]
         step_runs += [r for r in runs if step_name(r["policy"]) in STEP_POLICIES and (r["policy"] != "off" or has_steps)]
         sweep_runs += [r for r in runs if step_name(r["policy"]) not in STEP_POLICIES
                        or (r["policy"] == "off" and has_sweep)]

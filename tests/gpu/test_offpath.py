@@ -302,13 +302,13 @@ def test_lp_suffix_needs_the_plugin():
 
 def test_the_lp_decode_state_counts_as_the_decode_state_in_step_costs():
     """Call S: plugin-fixed:1:s3+lp beside the no-spec server and the s3 servers: its steps (the loads ask for no
-    log-probabilities) are the decode state's column; the s3 servers are sweep rows."""
+    log-probabilities) are the decode state's column; the s3 servers are the split-KV rows, not the sweep's."""
     b = {"runs": [_row("off", 1, [6.1, 6.2, 6.15]), _row(O.DECODE_STATE + "+lp", 1, [6.4, 6.5, 6.45]),
                   _row("plugin-fixed:1000:s3", 1, [8.0], 170.0)]}
     rec = O.build([b], ["S"])
     sc = rec["step_costs"][0]
     assert sc["off_state_ms"] == 6.45 and sc["no_spec_ms"] == 6.15 and sc["rounds"] == 3
-    assert {r["policy"] for r in rec["sweep"]} == {"no-spec", "plugin-fixed:1000:s3"}
+    assert rec["sweep"] == [] and rec["splitkv"][0]["stock_ms"] == 8.0
 
 
 def _ident(identical, c):
