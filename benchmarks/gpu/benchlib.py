@@ -270,8 +270,8 @@ def request_stats(text, min_gap_ms=1.0, cap=None, finish_gap_ms=1.5):
     if not rows:
         return None
     q = sorted(r[1] for r in rows)
-    entries = sorted(r[0] for r in rows)
-    groups = 1 + sum(1 for a, b in zip(entries, entries[1:]) if (b - a) * 1000.0 >= min_gap_ms)
+    entries = _runs([r[0] for r in rows], min_gap_ms / 1000.0)
+    groups = len(entries)
     out = {"requests": len(rows), "queue_ms_median": round(q[len(q) // 2], 3),
            "queue_ms_p90": round(q[min(len(q) - 1, int(0.9 * len(q)))], 3), "queue_ms_mean": round(sum(q) / len(q), 3),
            "arrival_groups": groups, "requests_per_group": round(len(rows) / groups, 3),
@@ -279,36 +279,33 @@ def request_stats(text, min_gap_ms=1.0, cap=None, finish_gap_ms=1.5):
     # when each request finished: entry + queue + forward (one result-processing pass stamps a step's finishers
     # within finish_gap_ms); entry groups are the scheduler's receive passes, i.e. its prefill batches
     tol = finish_gap_ms / 1000.0
-    done = sorted((r[0] + (r[1] + r[2]) / 1000.0, r[5]) for r in rows)
-    out["finish_groups"] = 1 + sum(1 for a, b in zip(done, done[1:]) if b[0] - a[0] >= tol)
+    done = lambda r: r[0] + (r[1] + r[2]) / 1000.0  # noqa: E731
+    out["finish_groups"] = len(_runs([done(r) for r in rows], tol))
     out["arrival_per_finish_group"] = round(groups / out["finish_groups"], 3)
     if cap:
         # lockstep: of the pairs of cap-length requests admitted in one receive pass, the share that finished together
+        first = [g[0] for g in entries]
         by_entry: dict = {}
-        starts = []
-        for e in entries:
-            if not starts or (e - starts[-1][1]) * 1000.0 >= min_gap_ms:
-                starts.append([e, e])
-            else:
-                starts[-1][1] = e
-        first = [g[0] for g in starts]
         for r in rows:
             if r[5] >= cap:
-                by_entry.setdefault(bisect.bisect_right(first, r[0]) - 1, []).append(r[0] + (r[1] + r[2]) / 1000.0)
-        pairs = same = 0
-        for ts in by_entry.values():
-            ts.sort()
-            pairs += len(ts) * (len(ts) - 1) // 2
-            run = 1
-            for a, b in zip(ts, ts[1:]):
-                if b - a < tol:
-                    run += 1
-                else:
-                    same += run * (run - 1) // 2
-                    run = 1
-            same += run * (run - 1) // 2
-        out["lockstep"] = round(same / pairs, 3) if pairs else None
+                by_entry.setdefault(bisect.bisect_right(first, r[0]) - 1, []).append(done(r))
+        pairs = lambda n: n * (n - 1) // 2  # noqa: E731
+        total = sum(pairs(len(ts)) for ts in by_entry.values())
+        same = sum(pairs(len(g)) for ts in by_entry.values() for g in _runs(ts, tol))
+        out["lockstep"] = round(same / total, 3) if total else None
         out["capped_frac"] = round(sum(1 for r in rows if r[5] >= cap) / len(rows), 3)
+    return out
+
+
+def _runs(ts, gap_s):
+    """Times -> the runs of them (sorted) whose neighbours are less than gap_s apart."""
+    ts = sorted(ts)
+    out = [[ts[0]]] if ts else []
+    for a, b in zip(ts, ts[1:]):
+        if b - a < gap_s:
+            out[-1].append(b)
+        else:
+            out.append([b])
     return out
 
 
