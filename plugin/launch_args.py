@@ -39,10 +39,12 @@ MAX_TREE_TOKENS = 64
 PLAIN_DECODE_NOTE = (
     "speculation off runs specctl's decode state: the target decodes through DECODE CUDA graphs the plugin "
     "captures at start-up beside SGLang's (one more set of decode graphs and an attention backend; the "
-    "scheduler log says once what it took: 'specctl: decode state built: ... GB, ... s'; 0.2-0.7 GB and 6-8 s on "
-    "the H200 testbed, where an off step cost 1.03-1.10x a no-spec decode step at c=1-16 with each state's "
+    "scheduler log says once what it took: 'specctl: decode state built: ... GB, ... s'; 0.2-0.7 GB and 4-10 s on "
+    "the H200 testbed, where an off step cost 1.03-1.04x a no-spec decode step at c=1-64 with each state's "
     "draft extend in its own graph, SPECCTL_DRAFT_EXTEND_GRAPHS=on, the default); SPECCTL_PLAIN_DECODE=off keeps "
-    "SGLang's steps-0 state (a 1-token verify, 1.25-1.53x a decode step there)")
+    "SGLang's steps-0 state (a 1-token verify, 1.25-1.53x a decode step there). Speculative steps verify with "
+    "SGLang's split-KV kernel on triton (0.84-0.86x the stock s3 step there; SPECCTL_SPLITKV_VERIFY=off: the "
+    "extend kernel)")
 
 
 @dataclass(frozen=True)
