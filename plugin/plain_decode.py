@@ -153,9 +153,11 @@ def build(worker: Any, *, agree: Callable[[bool], bool], backends: tuple[str, ..
         log.warning("specctl: no decode state, steps 0 runs SGLang's trivial verify (a 1-token TARGET_VERIFY): %s "
                     "(SPECCTL_PLAIN_DECODE=off silences this)", why)
         return None
-    log.info("specctl: decode state built: DECODE graphs for batch sizes up to %d (eager above), %.2f GB, %.1f s; "
+    graphs = (f"DECODE graphs for batch sizes up to {plain.max_bs} (eager above)" if plain.runner is not None
+              else "no CUDA graphs in this launch: eager DECODE forwards")
+    log.info("specctl: decode state built: %s, %.2f GB, %.1f s; "
              "speculation off runs a decode forward (SPECCTL_PLAIN_DECODE=off: the trivial verify)",
-             plain.max_bs, plain.mem_gb, plain.build_s)
+             graphs, plain.mem_gb, plain.build_s)
     return plain
 
 

@@ -363,6 +363,20 @@ def test_build_needs_every_rank_and_logs_why_not(monkeypatch, caplog):
     assert votes == [False] and "MemoryError: capture out of memory" in caplog.text
 
 
+def test_the_build_line_says_whether_graphs_were_captured(monkeypatch, caplog):
+    """--disable-cuda-graph: SGLang built no verify graph, so the decode state decodes eagerly; its start-up
+    line says so instead of "graphs up to 0"."""
+    for runner, want in ((SimpleNamespace(max_bs=64), "DECODE graphs for batch sizes up to 64 (eager above)"),
+                         (None, "no CUDA graphs in this launch: eager DECODE forwards")):
+        plain = make_plain()
+        plain.runner, plain.max_bs = runner, int(getattr(runner, "max_bs", 0)) if runner else 0
+        monkeypatch.setattr(pd, "_capture", lambda worker, backends, p=plain: p)
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="specctl.plugin"):
+            assert pd.build(fake_worker(), agree=lambda ok: ok) is plain
+        assert f"decode state built: {want}" in caplog.text
+
+
 def test_flashinfer_is_a_decode_state_backend_only_when_asked():
     from specctl.plugin.engine import PluginSettings
 
