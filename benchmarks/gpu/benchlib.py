@@ -30,6 +30,8 @@ PLUGIN_SWITCHES = {
     VERIFY_OFF: ("plain_decode", False, "SPECCTL_PLAIN_DECODE", "off", "it turns the plugin's decode state off"),
     DE_GRAPHS: ("draft_extend_graphs", True, "SPECCTL_DRAFT_EXTEND_GRAPHS", "on",
                 "the plugin sizes the draft-extend graphs"),
+    NO_DE_GRAPHS: ("draft_extend_graphs", False, "SPECCTL_DRAFT_EXTEND_GRAPHS", "off",
+                   "the plugin sizes the draft-extend graphs"),
     SPLITKV: ("splitkv_verify", True, "SPECCTL_SPLITKV_VERIFY", "on", "the plugin turns the kernel on"),
     STOCK_VERIFY: ("splitkv_verify", False, "SPECCTL_SPLITKV_VERIFY", "off", "the kernel switch is the plugin's"),
     LOGPROBS: ("plain_decode_logprobs", True, "SPECCTL_PLAIN_DECODE_LOGPROBS", "on",
@@ -59,10 +61,11 @@ def parse_policy(pol):
     (its steps-0 state no longer extends the draft; an upshift then drafts from stale state); a plugin policy
     in +verify (SPECCTL_PLAIN_DECODE=off), +deg (SPECCTL_DRAFT_EXTEND_GRAPHS=on, the default) and +nodeg
     (SPECCTL_DRAFT_EXTEND_GRAPHS=off), +splitkv (SPECCTL_SPLITKV_VERIFY=on, the default) and +stockverify
-    (off), +lp (SPECCTL_PLAIN_DECODE_LOGPROBS=on), +fi (SPECCTL_PLAIN_DECODE_FLASHINFER=on), in any order. Any policy may end in +nooverlap
-    (--disable-overlap-schedule) and +eager (--disable-cuda-graph): SERVER_FLAGS."""
+    (off), +lp (SPECCTL_PLAIN_DECODE_LOGPROBS=on), +fi (SPECCTL_PLAIN_DECODE_FLASHINFER=on), in any order
+    (PLUGIN_SWITCHES). Any policy may end in +nooverlap (--disable-overlap-schedule) and +eager
+    (--disable-cuda-graph): SERVER_FLAGS."""
     base, suffixes = pol, set()
-    known = (SKIP_DE, NO_DE_GRAPHS, *PLUGIN_SWITCHES, *SERVER_FLAGS)
+    known = (SKIP_DE, *PLUGIN_SWITCHES, *SERVER_FLAGS)
     for suffix in known * len(known):
         if base.endswith(suffix):
             base, _ = base[:-len(suffix)], suffixes.add(suffix)
@@ -76,15 +79,11 @@ def parse_policy(pol):
             if p["kind"] not in ("specctl", "plugin-fixed"):
                 raise ValueError(f"{pol!r}: {suffix} needs a plugin policy ({why})")
             if p.get(field_, value) is not value:
-                raise ValueError(f"{pol!r}: two suffixes set {field_} both ways")
+                raise ValueError(f"{pol!r}: two suffixes set the plugin's {field_} both ways")
             p[field_] = value
     flags = [f for suffix, fl in SERVER_FLAGS.items() if suffix in suffixes for f in fl]
     if flags:
         p["server_flags"] = flags
-    if NO_DE_GRAPHS in suffixes:
-        if p["kind"] not in ("specctl", "plugin-fixed") or DE_GRAPHS in suffixes:
-            raise ValueError(f"{pol!r}: {NO_DE_GRAPHS} needs a plugin policy without {DE_GRAPHS}")
-        p["draft_extend_graphs"] = False
     return p
 
 
@@ -174,8 +173,6 @@ def policy_launch_args(pol, draft, specctl_max_steps=3):
     for field_, value, var, setting, _ in PLUGIN_SWITCHES.values():
         if p.get(field_) is value:
             env = dict(env, **{var: setting})
-    if p.get("draft_extend_graphs") is False:  # +nodeg
-        env = dict(env, SPECCTL_DRAFT_EXTEND_GRAPHS="off")
     return args + list(p.get("server_flags", ())), env, cfg
 
 

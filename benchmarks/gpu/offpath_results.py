@@ -28,7 +28,7 @@ import statistics as st
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from benchlib import logit_report, parse_policy  # noqa: E402
+from benchlib import logit_report, parse_decode_lines, parse_policy  # noqa: E402
 
 NO_SPEC_POLICY, DECODE_STATE, TRIVIAL = "off", "plugin-fixed:1:s3", "plugin-fixed:1:s3+verify"
 DECODE_STATE_DEG = "plugin-fixed:1:s3+deg"  # the decode state with the steps-0 draft extend in its own graph
@@ -90,8 +90,6 @@ def clean_step_costs(log_dirs: list[str], concurrencies: list[int]) -> list[dict
     the whole log's Decode-batch windows at exactly c running requests that hold no prefill (benchlib's
     clean_step_ms_med; at least MIN_CLEAN_WINDOWS of them), with how many windows; the decode state and the
     split-KV s3 against their call's no-spec / stock s3 server. The rounds are pooled (the logs do not mark them)."""
-    from benchlib import parse_decode_lines
-
     out = []
     for d in log_dirs:
         logs = {log_policy(f): os.path.join(d, f) for f in sorted(os.listdir(d)) if f.endswith(".log") and f != "run.log"}
