@@ -7,6 +7,9 @@
     AFTER    SchedulerBatchResultProcessor._resolve_spec_v2_tokens
              every rank, every decode result, same order: telemetry (rank 0), and every
              `sync_every` results rank 0's pending policy is broadcast on the TP group and applied.
+    AFTER    EAGLEWorkerV2._build_trivial_verify_input
+             the steps-0 tree's token as int64 (without the overlap scheduler it is the sampler's
+             int32, which SGLang's verify_tree_greedy refuses: the first steps-0 step crashed)
 
 The decode state (speculation off as a decode forward; plugin/plain_decode.py; SPECCTL_PLAIN_DECODE):
 
@@ -89,6 +92,8 @@ class Targets:
     triton_init: str = "sglang.srt.layers.attention.triton_backend.TritonAttnBackend.__init__"
     # each chain state's own draft-extend graphs only (0.5.17)
     draft_width: str = "sglang.srt.speculative.spec_utils.resolve_num_tokens_per_req"
+    # steps 0 without the overlap scheduler (int32 bonus tokens)
+    trivial_verify: str = "sglang.srt.speculative.eagle_worker_v2.EAGLEWorkerV2._build_trivial_verify_input"
 
     def plain_targets(self) -> tuple[str, ...]:
         return (self.init_graphs, self.verify, self.target_forward)
@@ -349,6 +354,8 @@ class PluginRuntime:
             self.targets.result: ("no telemetry and no TP policy sync: daemon policies never apply "
                                   "(fallback, or the policy file)"),
         }
+        consequence[self.targets.trivial_verify] = ("steps 0 under --disable-overlap-schedule fails in SGLang's "
+                                                     "verify_tree_greedy (int32 bonus tokens)")
         if tree_hooks:
             consequence.update({t: "tree states cannot be built or switched to safely"
                                 for t in self.targets.tree_targets()})
@@ -642,6 +649,7 @@ def install(settings: PluginSettings, *, targets: Targets = SGLANG_TARGETS,
     HookRegistry.register(targets.extend_prefill, _around_draft_extend, HookType.AROUND)
     HookRegistry.register(targets.draft, _before_draft, HookType.BEFORE)
     HookRegistry.register(targets.logits_rows, _after_logits_rows, HookType.AFTER)
+    HookRegistry.register(targets.trivial_verify, _after_trivial_verify_input, HookType.AFTER)
     if settings.splitkv_verify:
         HookRegistry.register(targets.triton_init, _after_triton_init, HookType.AFTER)
     if settings.draft_extend_graphs:
@@ -772,6 +780,22 @@ def _after_init_graphs(ret: Any, worker: Any, *args: Any, **kwargs: Any) -> None
             rt.plain = None
             log.exception("specctl: no decode state (%s: %s)", type(e).__name__, e)
     return None
+
+
+def _after_trivial_verify_input(ret: Any, worker: Any, *args: Any, **kwargs: Any) -> None:
+    """AFTER EAGLEWorkerV2._build_trivial_verify_input: the 1-node tree's token is the previous bonus
+    token, which is int32 when it comes straight from the sampler (a prefill's, or a steps-0 step's,
+    without the overlap scheduler; the overlap scheduler's FutureMap hands back int64), and SGLang's
+    verify_tree_greedy refuses anything but int64 ("Expected 'candidates' to be of type long": the
+    first steps-0 step after a prefill crashed the scheduler on the H200, 2026-12-02). The same ids
+    as int64: a no-op where they are int64 already, the same on every rank."""
+    tok = getattr(ret, "draft_token", None)
+    if tok is not None and getattr(tok, "dtype", None) is not None:
+        import torch
+
+        if tok.dtype != torch.int64:
+            ret.draft_token = tok.to(torch.int64)
+    return None  # keep SGLang's return value (changed in place)
 
 
 def _around_verify(orig: Callable[..., Any], worker: Any, batch: Any, *args: Any, **kwargs: Any) -> Any:

@@ -145,7 +145,7 @@ def test_startup_check_names_the_hooks_that_did_not_take_effect(server, plugged,
     caplog.set_level(logging.ERROR, logger="specctl.plugin")
     server()
     # on CPU the worker, TP-worker and result-processor modules cannot be imported, so SGLang failed
-    # to apply those hooks (the step timing, the result hook and the decode state's three, on 0.5.17
+    # to apply those hooks (the step timing, the result hook, the steps-0 token dtype, the decode state's three, on 0.5.17
     # the draft-extend width hook on spec_utils, and with the split-KV kernel on, the default, the one
     # on the triton backend); the REPLACE on the policy class went in
     from specctl.plugin import sglang_hooks
@@ -153,7 +153,8 @@ def test_startup_check_names_the_hooks_that_did_not_take_effect(server, plugged,
     problems = plugged.hook_problems
     width = sglang_hooks._draft_width_needed()  # 0.5.17: its spec_utils sizes graphs from ServerArgs
     splitkv = plugged.settings.splitkv_verify
-    assert len(problems) == 5 + width + splitkv
+    assert len(problems) == 6 + width + splitkv
+    assert sum("_build_trivial_verify_input" in p and "disable-overlap-schedule" in p for p in problems) == 1
     assert sum("TritonAttnBackend.__init__" in p and "extend kernel" in p for p in problems) == splitkv
     assert sum("resolve_num_tokens_per_req" in p and "extend eagerly" in p for p in problems) == width
     assert any("EAGLEWorkerV2.forward_batch_generation" in p for p in problems)
