@@ -222,3 +222,118 @@ def test_a_replay_the_capture_did_not_plan_for_keeps_plan(fi, caplog):
     assert mine.reads.names == READS and fi.state_diff(fi.wrapper_state(ws), fi.wrapper_state(wm)) == []
     assert hp.on and hp.num_host_plans == 0
     assert any("not a topk-1 EAGLE verify" in r.getMessage() for r in caplog.records)
+
+
+# ----------------------------------------------------------------------------- install(): which path, which hooks
+
+def _run(code: str, env_extra=None) -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "SGLANG_OPT_FLASHINFER_VERIFY_HOST_PLAN"}
+    env.update(env_extra or {}, PYTHONWARNINGS="ignore")
+    p = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=180,
+                       env=env, cwd=str(HERE))
+    assert p.returncode == 0, p.stderr[-4000:]
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+INSTALL = r"""
+    import json, os, sys
+    from sglang.srt.plugins.hook_registry import HookRegistry
+    from specctl.plugin import sglang_hooks
+    from specctl.plugin.engine import PluginSettings
+    s = PluginSettings.from_env({"SPECCTL_FI_VERIFY_HOST_PLAN": sys.argv[1] if len(sys.argv) > 1 else "on",
+                                 "SPECCTL_TELEMETRY": "none", "SPECCTL_POLICY": "none"})
+    rt = sglang_hooks.install(s)
+    t = sglang_hooks.SGLANG_TARGETS
+    own = sglang_hooks._sglang_verify_host_plan()
+    print(json.dumps({"hooks": [x in HookRegistry._hooks for x in t.fi_plan_targets()],
+                      "hooked": rt.fi_plan is not None, "own": None if own is None else own.get(),
+                      "env": os.environ.get("SGLANG_OPT_FLASHINFER_VERIFY_HOST_PLAN")}))
+"""
+
+
+@pytest.mark.sglang
+@pytest.mark.parametrize("mode", ["on", "check", "off"])
+def test_install_hooks_where_sglang_has_no_opt_in_and_turns_its_own_on_where_it_has(mode):
+    import sglang
+
+    got = _run(INSTALL.replace('sys.argv[1] if len(sys.argv) > 1 else "on"', repr(mode)))
+    wanted = mode != "off"
+    if sglang.__version__ == "0.5.17":
+        assert got == {"hooks": [wanted, wanted], "hooked": wanted, "own": None, "env": None}
+    else:  # 0.5.23: SGLANG_OPT_FLASHINFER_VERIFY_HOST_PLAN, no hook of ours
+        assert got == {"hooks": [False, False], "hooked": False, "own": wanted, "env": "True" if wanted else None}
+
+
+@pytest.mark.sglang
+def test_an_operators_own_setting_of_sglangs_opt_in_stands():
+    if not _has_own_opt_in():
+        pytest.skip("this SGLang has no SGLANG_OPT_FLASHINFER_VERIFY_HOST_PLAN")
+    got = _run(INSTALL, {"SGLANG_OPT_FLASHINFER_VERIFY_HOST_PLAN": "0"})
+    assert got == {"hooks": [False, False], "hooked": False, "own": False, "env": "0"}
+
+
+WIRED = r"""
+    import dataclasses, json, logging, sys
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr)
+    import fi_harness
+    from sglang.srt.plugins.hook_registry import HookRegistry
+    from specctl.plugin import sglang_hooks
+    from specctl.plugin.engine import PluginSettings
+    h = fi_harness.Harness()
+    fi_harness.as_module(h, "specctl_fi_targets")
+    t = sglang_hooks.Targets(
+        fi_out_graph="specctl_fi_targets.FlashInferAttnBackend.init_forward_metadata_out_graph",
+        fi_begin_forward=sys.argv[1])
+    s = PluginSettings.from_env({"SPECCTL_FI_VERIFY_HOST_PLAN": "on", "SPECCTL_TELEMETRY": "none",
+                                 "SPECCTL_POLICY": "none"})
+    rt = sglang_hooks.install(s, targets=t)
+    rt.fi_plan._pack = fi_harness.segment_packbits_kernel  # flashinfer's CUDA kernel, on the CPU
+    HookRegistry.apply_hooks()
+    h.capture()
+    h.replay(h.batch([7, 19, 3]))
+    hp = rt.fi_plan
+    print(json.dumps({"patched": [x in HookRegistry._patched for x in t.fi_plan_targets()], "on": hp.on,
+                      "reason": hp.off_reason, "marked": hp.num_marked, "host_plans": hp.num_host_plans,
+                      "reads": h.reads.names}))
+"""
+
+
+@pytest.mark.sglang
+def test_through_sglangs_hook_registry_the_verify_plan_reads_nothing(fi):
+    got = _run(WIRED.replace("sys.argv[1]", repr("specctl_fi_targets.FlashInferIndicesUpdaterPrefill.call_begin_forward")))
+    assert got == {"patched": [True, True], "on": True, "reason": None, "marked": 4, "host_plans": 1, "reads": []}
+
+
+@pytest.mark.sglang
+def test_a_hook_that_did_not_take_effect_turns_it_off_at_the_first_capture(fi):
+    got = _run(WIRED.replace("sys.argv[1]", repr("specctl_fi_targets.NoSuchUpdater.call_begin_forward")))
+    assert got["patched"] == [True, False] and not got["on"] and "NoSuchUpdater" in got["reason"]
+    assert got["marked"] == got["host_plans"] == 0 and got["reads"] == READS
+
+
+def _source(rel: str) -> str:
+    import sglang
+
+    return (Path(sglang.__file__).parent / rel).read_text()
+
+
+@pytest.mark.sglang
+def test_the_source_contract_the_hooks_rely_on(fi):
+    """What the harness cannot show: how the graph runner calls the backend, and what pads the host lengths."""
+    import ast
+    import importlib.metadata as md
+
+    fb = ast.parse(_source("srt/layers/attention/flashinfer_backend.py"))
+    upd = next(n for n in fb.body if isinstance(n, ast.ClassDef) and n.name == "FlashInferIndicesUpdaterPrefill")
+    cbf = next(n for n in upd.body if isinstance(n, ast.FunctionDef) and n.name == "call_begin_forward")
+    assert [a.arg for a in cbf.args.args][:3] == ["self", "wrapper_ragged", "wrapper_paged"]  # the hook's fast path
+    runner = _source("srt/model_executor/runner/decode_cuda_graph_runner.py")
+    assert "attn_backend.init_forward_metadata_out_graph(forward_batch, in_capture=True)" in runner
+    assert "attn_backend.init_forward_metadata_out_graph(fb_view)" in runner
+    assert "None if forward_batch.seq_lens_cpu is None else buffers.seq_lens_cpu[:bs]" in runner
+    reg = _source("srt/model_executor/cuda_graph_buffer_registry.py")
+    for slot in ('"seq_lens",', '"seq_lens_cpu",'):  # device and host lengths padded alike
+        i = reg.index(slot)
+        assert "PaddingPolicy.FILL_SENTINEL" in reg[i:i + 300] and "pad_value=seq_len_fill_value" in reg[i:i + 300]
+    # the flashinfer whose plan() the harness ports (tests/plugin/fi_harness.py)
+    assert "flashinfer_python[cu13]==0.6.15.post1" in [r.replace(" ", "") for r in md.requires("sglang")]
