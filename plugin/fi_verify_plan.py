@@ -95,7 +95,7 @@ def wrapper_refusal(w: Any) -> Optional[str]:
         return "wrapper not in CUDA-graph mode"
     if getattr(w, "_cached_module", None) is None:
         return "no plan module from the capture's plan()"
-    if not (torch.is_tensor(getattr(w, "_custom_mask_buf", None)) and torch.is_tensor(getattr(w, "_mask_indptr_buf", None))):
+    if not all(torch.is_tensor(getattr(w, b, None)) for b in ("_custom_mask_buf", "_mask_indptr_buf")):
         return "wrapper without custom-mask buffers"
     if "begin_forward" in vars(w):
         return "the wrapper's begin_forward is replaced already"
@@ -269,7 +269,8 @@ class HostPlan:
         bad = [k for k, v in _DEFAULTS.items() if not _is_default(p.get(k, v), v)]
         if bad:
             return f"plan() called with {', '.join(bad)}"
-        qo, kv, kv_indices, last = p["qo_indptr"], p["paged_kv_indptr"], p["paged_kv_indices"], p["paged_kv_last_page_len"]
+        qo, kv, last = p["qo_indptr"], p["paged_kv_indptr"], p["paged_kv_last_page_len"]
+        kv_indices = p["paged_kv_indices"]
         mask, page_size, bs = p["custom_mask"], p["page_size"], layout.batch_size
         if mask is None or page_size != 1:
             return "no custom mask" if mask is None else f"page size {page_size}"
@@ -306,7 +307,8 @@ class HostPlan:
         w._qo_indptr_buf.copy_(qo, non_blocking=nb)
         w._paged_kv_indptr_buf.copy_(kv, non_blocking=nb)
         w._paged_kv_last_page_len_buf.copy_(last, non_blocking=nb)
-        w._paged_kv_indices_buf[: len(kv_indices)].copy_(kv_indices, non_blocking=(kv_indices.device == w.device) and nb)
+        w._paged_kv_indices_buf[: len(kv_indices)].copy_(kv_indices,
+                                                         non_blocking=(kv_indices.device == w.device) and nb)
         # plan() packs into a new tensor sized by a device read, then copies it into the buffer; the kernel
         # writes through the byte offsets, so it can pack into the buffer directly
         w._mask_indptr_buf.copy_(layout.mask_indptr, non_blocking=nb)

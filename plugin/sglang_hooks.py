@@ -835,9 +835,9 @@ def _use_sglang_verify_host_plan(mode: str) -> None:
                  mode, SGLANG_VERIFY_HOST_PLAN, field.get())
         return
     field.set(True)
+    unchecked = "; its plan is not self-checked (check mode compares plans on SGLang 0.5.17 only)"
     log.info("specctl: SPECCTL_FI_VERIFY_HOST_PLAN=%s: turned on this SGLang's own %s (no plugin hook)%s",
-             mode, SGLANG_VERIFY_HOST_PLAN,
-             "; its plan is not self-checked (check mode compares plans on SGLang 0.5.17 only)" if mode == "check" else "")
+             mode, SGLANG_VERIFY_HOST_PLAN, unchecked if mode == "check" else "")
 
 
 def _around_fi_out_graph(orig: Callable[..., Any], backend: Any, *args: Any, **kwargs: Any) -> Any:

@@ -63,10 +63,15 @@ def hooked(h, hp):
     """The two hooks on this harness's classes, wrapped by SGLang's own hook wrapper (what apply_hooks installs)."""
     from sglang.srt.plugins.hook_registry import HookType, _wrap_fn
 
-    h.Backend.init_forward_metadata_out_graph = _wrap_fn(
-        h.Backend.init_forward_metadata_out_graph, lambda o, b, *a, **k: hp.around_out_graph(o, b, a, k), HookType.AROUND)
-    h.Updater.call_begin_forward = _wrap_fn(
-        h.Updater.call_begin_forward, lambda o, u, *a, **k: hp.around_call_begin_forward(o, u, a, k), HookType.AROUND)
+    def out_graph(o, b, *a, **k):
+        return hp.around_out_graph(o, b, a, k)
+
+    def call_begin_forward(o, u, *a, **k):
+        return hp.around_call_begin_forward(o, u, a, k)
+
+    B, U = h.Backend, h.Updater
+    B.init_forward_metadata_out_graph = _wrap_fn(B.init_forward_metadata_out_graph, out_graph, HookType.AROUND)
+    U.call_begin_forward = _wrap_fn(U.call_begin_forward, call_begin_forward, HookType.AROUND)
     hp.wired = True
     return h
 
@@ -189,7 +194,8 @@ def test_check_mode_compares_the_first_plans_then_plans_from_host(fi, caplog):
 @pytest.mark.sglang
 @pytest.mark.parametrize("host_lag", [1, -1])
 def test_check_mode_catches_host_lengths_that_are_not_the_devices(fi, caplog, host_lag):
-    """If seq_lens_cpu ever lagged the device (the premise P2 rests on), plan()'s result stands and the hook goes off."""
+    """Were seq_lens_cpu ever not the device's lengths (the premise P2 rests on): plan()'s result stands and the
+    hook goes off."""
     stock, mine = fi.Harness(), hooked(fi.Harness(), hp := host_plan(fi, "check", check_steps=8))
     stock.capture()
     mine.capture()
@@ -300,7 +306,8 @@ WIRED = r"""
 
 @pytest.mark.sglang
 def test_through_sglangs_hook_registry_the_verify_plan_reads_nothing(fi):
-    got = _run(WIRED.replace("sys.argv[1]", repr("specctl_fi_targets.FlashInferIndicesUpdaterPrefill.call_begin_forward")))
+    target = "specctl_fi_targets.FlashInferIndicesUpdaterPrefill.call_begin_forward"
+    got = _run(WIRED.replace("sys.argv[1]", repr(target)))
     assert got == {"patched": [True, True], "on": True, "reason": None, "marked": 4, "host_plans": 1, "reads": []}
 
 
