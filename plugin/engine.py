@@ -32,6 +32,7 @@ from ..policies.table import OFF, Config, PolicyTable, chain
 log = logging.getLogger("specctl.plugin")
 
 MODES = ("online", "fixed", "file", "off")
+FI_VERIFY_HOST_PLAN_MODES = ("off", "on", "check")
 ENV_PREFIX = "SPECCTL_"
 
 
@@ -77,6 +78,12 @@ class PluginSettings:
     # too (SGLang computes them from its logits); off (the default until the GPU has compared them with the
     # no-spec server's): those steps run the trivial verify
     plain_decode_logprobs: bool = False
+    # SPECCTL_FI_VERIFY_HOST_PLAN: SGLang 0.5.17's TARGET_VERIFY flashinfer plan built from the host's lengths
+    # instead of plan()'s four blocking device-to-host reads (plugin/fi_verify_plan.py; on 0.5.23 SGLang's own
+    # SGLANG_OPT_FLASHINFER_VERIFY_HOST_PLAN). "off" (the default until a GPU run has checked it), "on", or
+    # "check": the first fi_verify_check_steps plans are built both ways and compared, a mismatch turns it off
+    fi_verify_host_plan: str = "off"
+    fi_verify_check_steps: int = 32
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -89,6 +96,11 @@ class PluginSettings:
             raise ValueError(f"SPECCTL_STALE_AFTER_S must be > 0, got {self.stale_after_s}")
         if self.sync_every < 1:
             raise ValueError(f"SPECCTL_SYNC_EVERY must be >= 1, got {self.sync_every}")
+        if self.fi_verify_host_plan not in FI_VERIFY_HOST_PLAN_MODES:
+            raise ValueError(f"SPECCTL_FI_VERIFY_HOST_PLAN must be one of on, off, check, check:N, "
+                             f"not {self.fi_verify_host_plan!r}")
+        if self.fi_verify_check_steps < 1:
+            raise ValueError(f"SPECCTL_FI_VERIFY_HOST_PLAN=check:N needs N >= 1, got {self.fi_verify_check_steps}")
         if (self.curve_secret_key_file is None) != (self.curve_server_key_file is None):
             raise ValueError("set both SPECCTL_CURVE_SECRET_KEY and SPECCTL_CURVE_SERVER_KEY (or neither)")
 
@@ -104,7 +116,9 @@ class PluginSettings:
         1-token verify), `SPECCTL_SPLITKV_VERIFY` (`on` | `off`: the split-KV verify kernel for
         topk-1 chains on CUDA), `SPECCTL_DRAFT_EXTEND_GRAPHS` (`on` | `off`), `SPECCTL_PLAIN_DECODE_LOGPROBS`
         (`on` | `off`: steps with log-probability requests in the decode state too),
-        `SPECCTL_PLAIN_DECODE_FLASHINFER` (`on` | `off`: the decode state on flashinfer too)."""
+        `SPECCTL_PLAIN_DECODE_FLASHINFER` (`on` | `off`: the decode state on flashinfer too),
+        `SPECCTL_FI_VERIFY_HOST_PLAN` (`off` | `on` | `check` | `check:N`: flashinfer's verify plan from host
+        values; `check` compares it with plan()'s for the first N plans, 32 by default)."""
 
         def get(name: str) -> Optional[str]:
             v = env.get(ENV_PREFIX + name)
@@ -142,10 +156,29 @@ class PluginSettings:
             if v not in ("on", "off", "1", "0", "true", "false"):
                 raise ValueError(f"SPECCTL_{name} must be on or off, not {v!r}")
             kw[field_] = v in ("on", "1", "true")
+        kw["fi_verify_host_plan"], steps = _fi_verify_host_plan(get("FI_VERIFY_HOST_PLAN"))
+        if steps is not None:
+            kw["fi_verify_check_steps"] = steps
         if get("POLICY_FILE"):
             kw["policy_file"] = get("POLICY_FILE")
             kw.setdefault("mode", "file")
         return cls(**kw)
+
+
+def _fi_verify_host_plan(value: Optional[str]) -> tuple[str, Optional[int]]:
+    """SPECCTL_FI_VERIFY_HOST_PLAN: (mode, check steps or None for the default)."""
+    v = (value or "off").lower()
+    if v in ("on", "1", "true"):
+        return "on", None
+    if v in ("off", "0", "false"):
+        return "off", None
+    mode, sep, n = v.partition(":")
+    if mode == "check":
+        try:
+            return "check", int(n) if sep else None
+        except ValueError:
+            pass
+    raise ValueError(f"SPECCTL_FI_VERIFY_HOST_PLAN must be one of on, off, check, check:N, not {value!r}")
 
 
 @dataclass(frozen=True)

@@ -33,6 +33,14 @@ The split-KV verify kernel (SPECCTL_SPLITKV_VERIFY, on by default; SGLang gates 
                                                   sends everything else to the extend kernel), unless
                                                   SGLANG_ENABLE_SPLITKV_VERIFY is off
 
+The sync-free flashinfer verify plan (SPECCTL_FI_VERIFY_HOST_PLAN, off by default; plugin/fi_verify_plan.py;
+SGLang 0.5.17 only: on an SGLang with SGLANG_OPT_FLASHINFER_VERIFY_HOST_PLAN the setting turns that on instead):
+
+    AROUND   FlashInferAttnBackend.init_forward_metadata_out_graph   at capture: marks the topk-1 TARGET_VERIFY
+                                                  wrappers (fa2, page size 1, full attention) after SGLang's plan()
+    AROUND   FlashInferIndicesUpdaterPrefill.call_begin_forward       a marked wrapper is planned from seq_lens_cpu,
+                                                  without plan()'s four blocking device-to-host reads
+
 Tree states (topk > 1; only when the adaptive config has a `specctl.states` section, see
 plugin/launch_args.py; each hook passes straight through otherwise):
 
@@ -94,9 +102,17 @@ class Targets:
     draft_width: str = "sglang.srt.speculative.spec_utils.resolve_num_tokens_per_req"
     # steps 0 without the overlap scheduler (int32 bonus tokens)
     trivial_verify: str = "sglang.srt.speculative.eagle_worker_v2.EAGLEWorkerV2._build_trivial_verify_input"
+    # the sync-free flashinfer verify plan only (0.5.17)
+    fi_out_graph: str = ("sglang.srt.layers.attention.flashinfer_backend.FlashInferAttnBackend."
+                         "init_forward_metadata_out_graph")
+    fi_begin_forward: str = ("sglang.srt.layers.attention.flashinfer_backend.FlashInferIndicesUpdaterPrefill."
+                             "call_begin_forward")
 
     def plain_targets(self) -> tuple[str, ...]:
         return (self.init_graphs, self.verify, self.target_forward)
+
+    def fi_plan_targets(self) -> tuple[str, ...]:
+        return (self.fi_out_graph, self.fi_begin_forward)
 
     def tree_targets(self) -> tuple[str, ...]:
         return (self.build, self.apply, self.extend_decode, self.extend_prefill, self.draft, self.logits_rows)
@@ -183,6 +199,7 @@ class PluginRuntime:
         self._prev_launch: Optional[tuple[int, float]] = None
         self._warned: set[str] = set()
         self.plain: Any = None  # the decode state (plain_decode.PlainDecode), once built
+        self.fi_plan: Any = None  # fi_verify_plan.HostPlan while SPECCTL_FI_VERIFY_HOST_PLAN hooks SGLang
         # the batch's context, read by the forward hook for get_steps_for_batch: (batch size, ctx_tokens)
         self._ctx_pending: Optional[tuple[int, int]] = None
         self._ctx_get: Optional[Callable[[Any], int]] = None  # per-request committed length, by version
@@ -367,6 +384,9 @@ class PluginRuntime:
         if self.settings.draft_extend_graphs and _draft_width_needed():
             consequence[self.targets.draft_width] = ("every state's draft-extend graph keeps the launch width: "
                                                      "steps 0 / s1 / s2 extend eagerly")
+        if self.fi_plan is not None:
+            consequence.update({t: "flashinfer verify plans keep plan()'s blocking device-to-host reads"
+                                for t in self.targets.fi_plan_targets()})
         self.missing_hooks = {t for t in consequence if t not in patched}
         self.hook_problems = [f"hook on {t} did not take effect: {why}"
                               for t, why in consequence.items() if t in self.missing_hooks]
@@ -375,6 +395,20 @@ class PluginRuntime:
         if not self.hook_problems:
             log.info("specctl: all %d hooks in place", len(consequence))
         return self.hook_problems
+
+    def check_fi_hooks(self) -> None:
+        """At the first flashinfer capture (whether or not specctl's policy runs): both verify-plan hooks must
+        be in place, or none of it is used (a capture hook alone changes nothing; said, once)."""
+        hp = self.fi_plan
+        hp.wired = True
+        try:
+            from sglang.srt.plugins.hook_registry import HookRegistry
+
+            missing = [t for t in self.targets.fi_plan_targets() if t not in HookRegistry._patched]
+        except Exception as e:  # noqa: BLE001
+            missing = [f"? (SGLang's hook registry unreadable: {type(e).__name__}: {e})"]
+        if missing:
+            hp.turn_off(f"the verify-plan hooks on {', '.join(missing)} did not take effect")
 
     # ---------------------------------------------------------------- the decode state
 
@@ -658,6 +692,15 @@ def install(settings: PluginSettings, *, targets: Targets = SGLANG_TARGETS,
         else:
             log.info("specctl: SPECCTL_DRAFT_EXTEND_GRAPHS=on: this SGLang sizes each state's draft-extend graph "
                      "from the state's own width already; nothing to do")
+    if settings.fi_verify_host_plan != "off":
+        if _sglang_verify_host_plan() is not None:
+            _use_sglang_verify_host_plan(settings.fi_verify_host_plan)
+        else:
+            from .fi_verify_plan import HostPlan
+
+            rt.fi_plan = HostPlan(settings.fi_verify_host_plan, check_steps=settings.fi_verify_check_steps)
+            HookRegistry.register(targets.fi_out_graph, _around_fi_out_graph, HookType.AROUND)
+            HookRegistry.register(targets.fi_begin_forward, _around_fi_call_begin_forward, HookType.AROUND)
     if settings.plain_decode:
         HookRegistry.register(targets.init_graphs, _after_init_graphs, HookType.AFTER)
         HookRegistry.register(targets.verify, _around_verify, HookType.AROUND)
@@ -769,6 +812,50 @@ def _around_draft_width(orig: Callable[..., Any], *args: Any, **kwargs: Any) -> 
         else:
             log.warning("specctl: %s", msg)
     return own
+
+
+SGLANG_VERIFY_HOST_PLAN = "SGLANG_OPT_FLASHINFER_VERIFY_HOST_PLAN"
+
+
+def _sglang_verify_host_plan() -> Any:
+    """SGLang's own switch for the host-built verify plan (0.5.23: an EnvBool), or None where it has none."""
+    try:
+        from sglang.srt.environ import envs
+
+        return getattr(envs, SGLANG_VERIFY_HOST_PLAN, None)
+    except Exception:  # noqa: BLE001 - a release without the environ module: none
+        return None
+
+
+def _use_sglang_verify_host_plan(mode: str) -> None:
+    """SPECCTL_FI_VERIFY_HOST_PLAN on an SGLang that has its own: turn that on, unless the operator set it."""
+    field = _sglang_verify_host_plan()
+    if field.is_set():
+        log.info("specctl: SPECCTL_FI_VERIFY_HOST_PLAN=%s: %s is set (%s) and stays as set; no plugin hook",
+                 mode, SGLANG_VERIFY_HOST_PLAN, field.get())
+        return
+    field.set(True)
+    unchecked = "; its plan is not self-checked (check mode compares plans on SGLang 0.5.17 only)"
+    log.info("specctl: SPECCTL_FI_VERIFY_HOST_PLAN=%s: turned on this SGLang's own %s (no plugin hook)%s",
+             mode, SGLANG_VERIFY_HOST_PLAN, unchecked if mode == "check" else "")
+
+
+def _around_fi_out_graph(orig: Callable[..., Any], backend: Any, *args: Any, **kwargs: Any) -> Any:
+    rt = _RUNTIME
+    hp = rt.fi_plan if rt is not None else None
+    if hp is None:
+        return orig(backend, *args, **kwargs)
+    if not hp.wired:
+        rt.check_fi_hooks()
+    return hp.around_out_graph(orig, backend, args, kwargs)
+
+
+def _around_fi_call_begin_forward(orig: Callable[..., Any], updater: Any, *args: Any, **kwargs: Any) -> Any:
+    rt = _RUNTIME
+    hp = rt.fi_plan if rt is not None else None
+    if hp is None:
+        return orig(updater, *args, **kwargs)
+    return hp.around_call_begin_forward(orig, updater, args, kwargs)
 
 
 def _after_init_graphs(ret: Any, worker: Any, *args: Any, **kwargs: Any) -> None:

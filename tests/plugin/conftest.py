@@ -12,6 +12,10 @@ from pathlib import Path
 
 import pytest
 
+# SGLang's triton kernels run on CPU tensors in triton's interpreter (fi_harness.py runs the kv-index one); it
+# must be on before triton is first imported, as triton reads it when a kernel is decorated
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
 HERE = Path(__file__).parent
 STANDIN = "specctl_sglang_standin"
 
