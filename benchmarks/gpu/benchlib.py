@@ -25,6 +25,8 @@ SPLITKV = "+splitkv"  # plugin policy suffix: SPECCTL_SPLITKV_VERIFY=on (SGLang'
 STOCK_VERIFY = "+stockverify"  # plugin policy suffix: SPECCTL_SPLITKV_VERIFY=off (SGLang's extend kernel: the control)
 LOGPROBS = "+lp"  # plugin policy suffix: SPECCTL_PLAIN_DECODE_LOGPROBS=on (logprob steps in the decode state too)
 FLASHINFER = "+fi"  # plugin policy suffix: SPECCTL_PLAIN_DECODE_FLASHINFER=on (the decode state on flashinfer too)
+FI_HOST_PLAN = "+fihost"  # plugin policy suffix: SPECCTL_FI_VERIFY_HOST_PLAN=check (flashinfer's verify plan from host
+#                           values, compared with plan()'s for its first 32 plans; a mismatch logs and turns it off)
 # a plugin policy's suffix -> (parse_policy's field, its value, the plugin's switch, its setting, why a plugin)
 PLUGIN_SWITCHES = {
     VERIFY_OFF: ("plain_decode", False, "SPECCTL_PLAIN_DECODE", "off", "it turns the plugin's decode state off"),
@@ -38,6 +40,8 @@ PLUGIN_SWITCHES = {
                "it lets logprob steps into its decode state"),
     FLASHINFER: ("plain_decode_flashinfer", True, "SPECCTL_PLAIN_DECODE_FLASHINFER", "on",
                  "it builds its decode state on flashinfer"),
+    FI_HOST_PLAN: ("fi_verify_host_plan", True, "SPECCTL_FI_VERIFY_HOST_PLAN", "check",
+                   "it plans flashinfer's verify from host values"),
 }
 
 

@@ -11,6 +11,8 @@
 #        overhead; comma lists, "-" = none) on GPU 0 and GPU 1 at once -> $OUT/checks-g<N>.tgz + the JSONs
 #   bash benchmarks/gpu/device_call.sh gate [N]   exit 3 unless the last sweep2 on GPU N built the decode state in some
 #        server and no server logged it off (start an expensive call with it: a broken build costs seconds, not a call)
+#   bash benchmarks/gpu/device_call.sh tdump [tensor_dump.py args]   the no-spec server and the decode state with SGLang's
+#        tensor dump, a few prompts at batch 1 -> $OUT/tensor-dump.json: the first module output where they part
 #   bash benchmarks/gpu/device_call.sh ctxprofile [ctx_profile.py measure args]   decode steps of off / s1 / s3 at
 #        two or more prompt lengths -> $OUT/ctx-steps.json, $OUT/profile-ctx.json, $OUT/ctx-logs.tgz
 set -uo pipefail
@@ -47,6 +49,11 @@ case $step in
   bench)
     need_site; draft_tok
     PYTHONPATH=/tmp/site timeout ${BENCH_TIMEOUT:-560} python3 benchmarks/gpu/run_bench.py --draft $M/draft --out $OUT "$@" 2>&1 | tee -a $OUT/bench.log | grep -v "Decode batch" | tail -40 ;;
+  tdump)
+    need_site; draft_tok
+    PYTHONPATH=/tmp/site timeout ${TDUMP_TIMEOUT:-500} python3 benchmarks/gpu/tensor_dump.py --model $M/8b --draft $M/draft \
+      --out $OUT "$@" 2>&1 | tee $OUT/tdump.log | grep -v -i -e warn -e "Dump " | tail -30
+    rm -rf /tmp/tdump ;;
   sweep2)
     need_site; draft_tok; P0=$1; P1=$2; shift 2
     for g in 0 1; do
