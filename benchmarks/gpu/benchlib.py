@@ -350,6 +350,8 @@ def parse_decode_lines(text, n=None):
     out["clean_lines"] = len(clean)
     if clean:
         out["clean_step_ms_med"] = round(st.median(clean), 4)
+        cm = st.mean(clean)
+        out["clean_step_ms_cv"] = round(st.pstdev(clean) / cm, 4) if cm else None
     return out
 
 
@@ -460,6 +462,96 @@ def profile_from_runs(runs, name, source="log"):
         step_ms[k].sort()
     return {"schema": "specctl.profile/1", "name": name, "configs": cfgs, "step_ms": step_ms,
             "noise_cv": round(st.median(cvs), 4) if cvs else 0.05}
+
+
+# The plugin holding steps 0 with every change of its own off: SGLang's steps-0 state as SGLang ships it
+# (the trivial verify, the extend verify kernel, the launch-width draft-extend graph)
+SGLANG_STEPS0 = {"plain_decode": False, "splitkv_verify": False, "draft_extend_graphs": False}
+PATH_BUILDS = {
+    "sglang": "SGLang's EAGLE-3 server as it ships: sN = static:sN (no plugin), off = its steps-0 state (the trivial "
+              "verify), held at every batch size by the plugin with its own changes off "
+              "(plugin-fixed:1:s3+verify+stockverify+nodeg)",
+    "specctl": "the EAGLE-3 server with the plugin's defaults: off = the decode state (plugin-fixed:1:s3), sN = "
+               "plugin-fixed:T:sN with T above every measured batch size (the split-KV verify kernel, each state's "
+               "draft-extend graph at its own width)",
+}
+
+
+def path_config(pol, max_level):
+    """(build, config name) of the cost profile a run of `pol` measures (issue "cheaper speculative steps",
+    item 3), or None: 'nospec' (a server launched without speculation: off), or a PATH_BUILDS key. Runs that
+    measure no one configuration of one build give None: thresholds that switch inside the sweep, trees,
+    SGLang's adaptive policy, specctl, eager / overlap-off servers, any other mix of plugin switches."""
+    p = parse_policy(pol)
+    if p.get("server_flags") or p.get("skip_zero_draft_extend"):
+        return None
+    if p["kind"] == "off":
+        return "nospec", "off"
+    cfg = p.get("config")
+    if cfg is None or cfg[1] != 1:
+        return None
+    if p["kind"] == "static":
+        return "sglang", config_name(cfg)
+    if p["kind"] != "plugin-fixed" or 1 < p["threshold"] <= max_level:
+        return None
+    name = "off" if p["threshold"] <= 1 else config_name(cfg)
+    switches = {f: p[f] for f, *_ in PLUGIN_SWITCHES.values() if f in p}
+    if not switches:
+        return "specctl", name
+    if name == "off" and switches == SGLANG_STEPS0:
+        return "sglang", "off"
+    return None
+
+
+def path_profiles(runs, name, max_level=None):
+    """One simulator cost profile (specctl.profile/1) per PATH_BUILDS build from run_bench rows of one or more
+    calls: per configuration and concurrency the median over rounds of the round's median step over the
+    `Decode batch` windows without a prefill (`clean_step_ms_med`); a round without clean windows counts with its
+    all-windows median only where no round of that point has clean ones (`source.all_windows` names those
+    points). noise_cv: the median over rounds of the clean windows' step-time cv (0.05 where no round has one;
+    bench JSONs from before 2026-12-02's third lease have none). Each profile carries the no-spec server's curve (`source.no_spec_step_ms`) for the crossover."""
+    levels = [r["concurrency"] for r in runs if r.get("concurrency")]
+    top = max_level if max_level is not None else max(levels, default=0)
+    pts, cvs = {}, {}
+    for r in runs:
+        where = path_config(r["policy"], top)
+        lg = r.get("log") or {}
+        if where is None or not r.get("concurrency") or not lg.get("step_ms_med"):
+            continue
+        pts.setdefault(where, {}).setdefault(r["concurrency"], []).append(
+            (lg.get("clean_step_ms_med"), lg["step_ms_med"]))
+        if lg.get("clean_step_ms_cv") is not None:  # a prefill inside a window is not step noise
+            cvs.setdefault(where[0], []).append(lg["clean_step_ms_cv"])
+
+    def curve(where):
+        out, loose = [], []
+        for c, rounds in sorted(pts.get(where, {}).items()):
+            clean = [x for x, _ in rounds if x]
+            if not clean:
+                loose.append(c)
+            out.append([c, round(st.median(clean or [y for _, y in rounds]), 4)])
+        return out, loose
+
+    no_spec, _ = curve(("nospec", "off"))
+    profiles = {}
+    for build, what in PATH_BUILDS.items():
+        names = sorted({cfg for b, cfg in pts if b == build}, key=lambda n: parse_config(n)[0] if n != "off" else 0)
+        if not names:
+            continue
+        step_ms, configs, loose = {}, {}, {}
+        for n in names:
+            step_ms[n], lo = curve((build, n))
+            c = (0, 1, 1) if n == "off" else parse_config(n)
+            configs[n] = dict(zip(("steps", "topk", "draft_tokens"), c))
+            if lo:
+                loose[n] = lo
+        profiles[build] = {"schema": "specctl.profile/1", "name": f"{name}-{build}", "configs": configs,
+                           "step_ms": step_ms,
+                           "noise_cv": round(st.median(cvs[build]), 4) if cvs.get(build) else 0.05,
+                           "source": {"build": what, "no_spec_step_ms": no_spec, "all_windows": loose,
+                                      "method": "median over rounds of each round's median SGLang `Decode batch` "
+                                                "step without a prefill since the previous line"}}
+    return profiles
 
 
 def profile_with_ctx(rows, name, source=None):

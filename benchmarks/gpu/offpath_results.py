@@ -3,6 +3,9 @@ run_bench.py outputs of one or more device calls:
 
   python3 benchmarks/gpu/offpath_results.py OUT.json BENCH.json [BENCH.json ...] [--call "command" ...]
       [--logs DIR ...]   (a call's server logs, g0.tgz's g0/: step costs over the windows without a prefill)
+      [--profiles DIR [--profile-name NAME]]   (issue "cheaper speculative steps", item 3: one simulator cost
+      profile per server build, benchlib.path_profiles: NAME-<backend>-sglang.json, NAME-<backend>-specctl.json,
+      and in OUT.json `path_profiles`: each build's break-even accept length against the no-spec server)
 
 Reads the run_bench rows of these policies (any call may hold any of them):
   off                          -> no-spec                   (a server launched without speculation)
@@ -28,7 +31,7 @@ import statistics as st
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from benchlib import logit_report, parse_decode_lines, parse_policy  # noqa: E402
+from benchlib import logit_report, parse_decode_lines, parse_policy, path_profiles  # noqa: E402
 
 NO_SPEC_POLICY, DECODE_STATE, TRIVIAL = "off", "plugin-fixed:1:s3", "plugin-fixed:1:s3+verify"
 DECODE_STATE_DEG = "plugin-fixed:1:s3+deg"  # the decode state with the steps-0 draft extend in its own graph
@@ -310,6 +313,39 @@ def phase_targets(runs: list[dict]) -> dict:
     return {"phase_each_vs_best_ge_0.97": best, "phase_low_c_tpot_vs_no_spec_le_0.90": tpot}
 
 
+def break_even(prof: dict) -> dict:
+    """Per speculative configuration and concurrency, the tokens a step must yield to beat the no-spec server
+    (its step ÷ the no-spec step) and to beat the build's own off (÷ its off step): where accept length falls
+    below the first, speculating loses to not launching EAGLE-3 at all."""
+    ref = dict(map(tuple, prof["source"]["no_spec_step_ms"]))
+    own = dict(map(tuple, prof["step_ms"].get("off", [])))
+    out = {}
+    for n, pts in prof["step_ms"].items():
+        if n == "off":
+            continue
+        out[n] = {str(c): {"vs_no_spec": round(ms / ref[c], 3) if c in ref else None,
+                           "vs_own_off": round(ms / own[c], 3) if c in own else None} for c, ms in pts}
+    if own and ref:
+        out["off_vs_no_spec"] = {str(c): round(ms / ref[c], 3) for c, ms in own.items() if c in ref}
+    return out
+
+
+def write_profiles(benches: list[dict], out_dir: str, name: str, calls: list[str]) -> dict:
+    backends = {b.get("attention_backend", "triton") for b in benches}
+    if len(backends) != 1:
+        raise SystemExit(f"--profiles: the calls ran different attention backends {sorted(backends)}: one at a time")
+    os.makedirs(out_dir, exist_ok=True)
+    runs = [r for b in benches for r in b.get("runs", [])]
+    written = {}
+    for build, prof in path_profiles(runs, f"{name}-{backends.pop()}").items():
+        prof["source"]["calls"] = calls
+        path = os.path.join(out_dir, prof["name"] + ".json")
+        with open(path, "w") as f:
+            json.dump(prof, f, indent=1)
+        written[build] = {"file": path, "break_even_accept": break_even(prof)}
+    return written
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("out")
@@ -317,8 +353,16 @@ def main() -> None:
     ap.add_argument("--call", action="append", default=[])
     ap.add_argument("--logs", action="append", default=[],
                     help="a directory of one call's server logs (g0.tgz's g0/): step costs over clean windows")
+    ap.add_argument("--profiles", default=None,
+                    help="also write each server build's simulator cost profile (benchlib.path_profiles) here")
+    ap.add_argument("--profile-name", default="h200-sglang-smollm2-135m-8b",
+                    help="profile names: NAME-<attention backend>-<build>")
     a = ap.parse_args()
-    rec = build([json.load(open(f)) for f in a.bench], a.call, a.logs)
+    benches = [json.load(open(f)) for f in a.bench]
+    rec = build(benches, a.call, a.logs)
+    if a.profiles:
+        rec["path_profiles"] = write_profiles(benches, a.profiles, a.profile_name, a.call)
+        print(json.dumps(rec["path_profiles"], indent=1))
     with open(a.out, "w") as f:
         json.dump(rec, f, indent=1)
     print(json.dumps(rec["targets"], indent=1))

@@ -1,6 +1,7 @@
 """The decode state's GPU testbed helpers: +verify policies, the resync probe's window arithmetic, and
 the record built from run_bench outputs (benchmarks/gpu/offpath_results.py)."""
 
+import json
 import os
 import sys
 
@@ -418,3 +419,67 @@ def test_request_stats_count_finish_steps_and_lockstep_cohorts():
     assert rs["lockstep"] == round(3 / (3 + 1), 3)  # 3 of the 4 same-pass capped pairs finished together
     assert rs["capped_frac"] == round(5 / 6, 3)
     assert "lockstep" not in B.request_stats(text)
+
+
+@pytest.mark.parametrize("pol, where", [
+    ("off", ("nospec", "off")),
+    ("static:s1", ("sglang", "s1")),
+    ("static:s3", ("sglang", "s3")),
+    ("plugin-fixed:1:s3+verify+stockverify+nodeg", ("sglang", "off")),  # SGLang's own steps-0 state, held
+    ("plugin-fixed:1:s3+nodeg+verify+stockverify", ("sglang", "off")),
+    ("plugin-fixed:1:s3", ("specctl", "off")),  # the decode state
+    ("plugin-fixed:1000:s2", ("specctl", "s2")),
+    ("plugin-fixed:1000:s3", ("specctl", "s3")),
+    ("plugin-fixed:64:s3", None),  # switches inside a sweep up to 128
+    ("plugin-fixed:1:s3+verify", None),  # the trivial verify with the plugin's kernel and graphs: neither build
+    ("plugin-fixed:1000:s3+stockverify", None),
+    ("plugin-fixed:1:s3+eager", None),
+    ("off+nooverlap", None),
+    ("static:tree", None),
+    ("specctl", None),
+    ("threshold:5:s3", None),
+    ("sglang-adaptive", None),
+])
+def test_each_run_measures_one_configuration_of_one_build_or_none(pol, where):
+    assert B.path_config(pol, 128) == where
+
+
+def _prow(pol, c, clean, all_windows, cv=None):
+    log = {"step_ms_med": all_windows, "n_lines": 40, "clean_lines": 0 if clean is None else 30}
+    if clean is not None:
+        log.update(clean_step_ms_med=clean, clean_step_ms_cv=cv)
+    return {"policy": pol, "concurrency": c, "log": log}
+
+
+def test_path_profiles_take_clean_medians_per_build_and_load_in_the_simulator(tmp_path):
+    from training.simulator import parse_profile
+
+    runs = [_prow("off", 1, 6.2, 6.3, 0.02), _prow("off", 1, 6.0, 6.1, 0.04), _prow("off", 16, 6.7, 7.5, 0.03),
+            _prow("plugin-fixed:1:s3", 1, 6.4, 6.5, 0.03), _prow("plugin-fixed:1:s3", 16, 6.9, 7.9, 0.05),
+            _prow("plugin-fixed:1000:s3", 1, 7.1, 7.2), _prow("plugin-fixed:1000:s3", 16, None, 12.0),
+            _prow("plugin-fixed:1000:s3", 16, None, 13.0),
+            _prow("static:s3", 1, 8.4, 8.5), _prow("plugin-fixed:1:s3+verify+stockverify+nodeg", 1, 7.8, 7.9),
+            _prow("plugin-fixed:8:s3", 1, 1.0, 1.0),  # switches inside this sweep (c <= 16)
+            _prow("off+eager", 1, 35.0, 35.0)]
+    profs = B.path_profiles(runs, "t")
+    assert set(profs) == {"specctl", "sglang"}
+    sp = profs["specctl"]
+    assert sp["step_ms"] == {"off": [[1, 6.4], [16, 6.9]], "s3": [[1, 7.1], [16, 12.5]]}
+    assert sp["source"]["all_windows"] == {"s3": [16]}  # no clean window at c = 16: the all-windows median
+    assert sp["source"]["no_spec_step_ms"] == [[1, 6.1], [16, 6.7]]  # the eager no-spec server is not in it
+    assert sp["noise_cv"] == 0.04 and profs["sglang"]["noise_cv"] == 0.05
+    assert profs["sglang"]["step_ms"] == {"off": [[1, 7.8]], "s3": [[1, 8.4]]}
+    assert list(sp["configs"]) == ["off", "s3"] and sp["configs"]["s3"] == {"steps": 3, "topk": 1, "draft_tokens": 4}
+    for prof in profs.values():
+        p = parse_profile(prof)
+        assert p.config_names == tuple(prof["configs"])
+
+    written = O.write_profiles([{"attention_backend": "triton", "runs": runs}], str(tmp_path), "t", ["call X"])
+    be = written["specctl"]["break_even_accept"]
+    assert be["s3"]["1"] == {"vs_no_spec": round(7.1 / 6.1, 3), "vs_own_off": round(7.1 / 6.4, 3)}
+    assert be["off_vs_no_spec"] == {"1": round(6.4 / 6.1, 3), "16": round(6.9 / 6.7, 3)}
+    saved = json.load(open(tmp_path / "t-triton-specctl.json"))
+    assert saved["source"]["calls"] == ["call X"] and saved["name"] == "t-triton-specctl"
+    with pytest.raises(SystemExit, match="attention backends"):
+        O.write_profiles([{"attention_backend": "triton", "runs": runs}, {"attention_backend": "flashinfer", "runs": []}],
+                         str(tmp_path), "t", [])
