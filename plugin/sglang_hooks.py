@@ -370,9 +370,9 @@ class PluginRuntime:
             self.targets.forward: "no CUDA-event step time; step_ms falls back to the launch cadence",
             self.targets.result: ("no telemetry and no TP policy sync: daemon policies never apply "
                                   "(fallback, or the policy file)"),
+            self.targets.trivial_verify: ("steps 0 under --disable-overlap-schedule fails in SGLang's "
+                                          "verify_tree_greedy (int32 bonus tokens)"),
         }
-        consequence[self.targets.trivial_verify] = ("steps 0 under --disable-overlap-schedule fails in SGLang's "
-                                                     "verify_tree_greedy (int32 bonus tokens)")
         if tree_hooks:
             consequence.update({t: "tree states cannot be built or switched to safely"
                                 for t in self.targets.tree_targets()})
