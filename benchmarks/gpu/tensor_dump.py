@@ -97,6 +97,18 @@ def positions(path: str) -> tuple:
     return tuple(pos.tolist()) if pos is not None else ()
 
 
+def compare_passes(off: list[str], decode_state: list[str]) -> list[dict]:
+    """The two servers' pass files of one request, matched by the positions they ran (the prefill's 0..n-1, then
+    one decode step each), compared in the decode state's order."""
+    by_pos = {positions(p): p for p in off}
+    rows = []
+    for p in decode_state:
+        pos = positions(p)
+        if pos in by_pos:
+            rows.append({"positions": [pos[0], pos[-1]] if pos else None, **compare_pass(by_pos[pos], p)})
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True)
@@ -146,12 +158,7 @@ def main() -> None:
             kill_tree(sv["proc"])
     report = {}
     for pid, rec in per_prompt.items():
-        a_by_pos = {positions(p): p for p in rec["off"]["passes"]}
-        rows = []
-        for p in rec[DECODE_STATE]["passes"]:
-            pos = positions(p)
-            if pos in a_by_pos:
-                rows.append({"positions": [pos[0], pos[-1]] if pos else None, **compare_pass(a_by_pos[pos], p)})
+        rows = compare_passes(rec["off"]["passes"], rec[DECODE_STATE]["passes"])
         report[pid] = {"ids_off": rec["off"]["ids"], "ids_decode_state": rec[DECODE_STATE]["ids"],
                        "passes_off": len(rec["off"]["passes"]), "passes_decode_state": len(rec[DECODE_STATE]["passes"]),
                        "matched_passes": rows}
