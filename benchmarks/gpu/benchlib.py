@@ -509,7 +509,8 @@ def path_profiles(runs, name, max_level=None):
     `Decode batch` windows without a prefill (`clean_step_ms_med`); a round without clean windows counts with its
     all-windows median only where no round of that point has clean ones (`source.all_windows` names those
     points). noise_cv: the median over rounds of the clean windows' step-time cv (0.05 where no round has one;
-    bench JSONs from before 2026-12-02's third lease have none). Each profile carries the no-spec server's curve (`source.no_spec_step_ms`) for the crossover."""
+    bench JSONs from before 2026-12-02's third lease have none). Each profile carries the no-spec server's curve
+    (`source.no_spec_step_ms`) for the crossover."""
     levels = [r["concurrency"] for r in runs if r.get("concurrency")]
     top = max_level if max_level is not None else max(levels, default=0)
     pts, cvs = {}, {}
