@@ -877,11 +877,8 @@ def _after_trivial_verify_input(ret: Any, worker: Any, *args: Any, **kwargs: Any
     first steps-0 step after a prefill crashed the scheduler on the H200, 2026-12-02). The same ids
     as int64: a no-op where they are int64 already, the same on every rank."""
     tok = getattr(ret, "draft_token", None)
-    if tok is not None and getattr(tok, "dtype", None) is not None:
-        import torch
-
-        if tok.dtype != torch.int64:
-            ret.draft_token = tok.to(torch.int64)
+    if tok is not None and hasattr(tok, "long"):
+        ret.draft_token = tok.long()  # the same tensor where it is int64 already
     return None  # keep SGLang's return value (changed in place)
 
 
