@@ -32,6 +32,7 @@ from ..policies.table import OFF, Config, PolicyTable, chain
 log = logging.getLogger("specctl.plugin")
 
 MODES = ("online", "fixed", "file", "off")
+SWITCH_ON, SWITCH_OFF = ("on", "1", "true"), ("off", "0", "false")  # how a SPECCTL_ switch may be spelled
 FI_VERIFY_HOST_PLAN_MODES = ("off", "on", "check")
 ENV_PREFIX = "SPECCTL_"
 
@@ -153,9 +154,9 @@ class PluginSettings:
                                       ("PLAIN_DECODE_LOGPROBS", "plain_decode_logprobs", "off"),
                                       ("PLAIN_DECODE_FLASHINFER", "plain_decode_flashinfer", "off")):
             v = (get(name) or default).lower()
-            if v not in ("on", "off", "1", "0", "true", "false"):
+            if v not in SWITCH_ON + SWITCH_OFF:
                 raise ValueError(f"SPECCTL_{name} must be on or off, not {v!r}")
-            kw[field_] = v in ("on", "1", "true")
+            kw[field_] = v in SWITCH_ON
         kw["fi_verify_host_plan"], steps = _fi_verify_host_plan(get("FI_VERIFY_HOST_PLAN"))
         if steps is not None:
             kw["fi_verify_check_steps"] = steps
@@ -168,9 +169,9 @@ class PluginSettings:
 def _fi_verify_host_plan(value: Optional[str]) -> tuple[str, Optional[int]]:
     """SPECCTL_FI_VERIFY_HOST_PLAN: (mode, check steps or None for the default)."""
     v = (value or "off").lower()
-    if v in ("on", "1", "true"):
+    if v in SWITCH_ON:
         return "on", None
-    if v in ("off", "0", "false"):
+    if v in SWITCH_OFF:
         return "off", None
     mode, sep, n = v.partition(":")
     if mode == "check":
