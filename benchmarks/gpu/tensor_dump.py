@@ -33,6 +33,7 @@ import specctl_side as SC  # noqa: E402
 from run_bench import closed_loop, kill_tree, start_server, wait_ready  # noqa: E402
 
 DECODE_STATE = "plugin-fixed:1:s3"  # speculation off at every batch size: every step is the decode state's
+TDUMP_SITE = os.path.join(HERE, "tdump_site")  # its sitecustomize.py lets SGLang's tensor dump take nested outputs
 
 
 def passes(folder: str) -> list[str]:
@@ -47,9 +48,9 @@ def launch(pol: str, model: str, draft: str, port: int, dump: str, layers: list[
         args += ["--speculative-adaptive-config", cp]
     env = dict(os.environ, **env_extra)
     if B.parse_policy(pol)["kind"] == "plugin-fixed":  # no daemon: fixed mode needs none
-        env.update(SGLANG_PLUGINS="specctl", SPECCTL_MODE="fixed", SPECCTL_TELEMETRY="none", SPECCTL_POLICY="none",
-                   **env_extra)
-        env = SC.with_pythonpath(env, site)
+        env.update({"SGLANG_PLUGINS": "specctl", "SPECCTL_MODE": "fixed", "SPECCTL_TELEMETRY": "none",
+                    "SPECCTL_POLICY": "none", **env_extra})
+        env = SC.with_pythonpath(env, TDUMP_SITE, site)  # TDUMP_SITE: SGLang's dumper on an EAGLE-3 target
     common = B.server_args(1, 0.3, max_total_tokens=20000)
     dump_args = ["--debug-tensor-dump-output-folder", dump, "--debug-tensor-dump-layers", *map(str, layers)]
     return start_server(model, port, common + args + dump_args, env,
