@@ -506,9 +506,10 @@ def path_config(pol, max_level):
 def path_profiles(runs, name, max_level=None):
     """One simulator cost profile (specctl.profile/1) per PATH_BUILDS build from run_bench rows of one or more
     calls: per configuration and concurrency the median over rounds of the round's median step over the
-    `Decode batch` windows without a prefill (`clean_step_ms_med`); a round without clean windows counts with its
-    all-windows median only where no round of that point has clean ones (`source.all_windows` names those
-    points). noise_cv: the median over rounds of the clean windows' step-time cv (0.05 where no round has one;
+    `Decode batch` windows without a prefill (`clean_step_ms_med`). A point where no round has a clean window is
+    left out (`source.no_clean_window` names those points): its all-windows median holds prefill iterations of
+    ~50-70 ms (2026-12-02: s3 "33 ms" at c = 64 where its decode steps take 12.8), a cost of the workload's
+    arrivals, not of the configuration's step; the simulator extends the curve from its last points. noise_cv: the median over rounds of the clean windows' step-time cv (0.05 where no round has one;
     bench JSONs from before 2026-12-02's third lease have none). Each profile carries the no-spec server's curve
     (`source.no_spec_step_ms`) for the crossover."""
     levels = [r["concurrency"] for r in runs if r.get("concurrency")]
@@ -528,9 +529,10 @@ def path_profiles(runs, name, max_level=None):
         out, loose = [], []
         for c, rounds in sorted(pts.get(where, {}).items()):
             clean = [x for x, _ in rounds if x]
-            if not clean:
+            if clean:
+                out.append([c, round(st.median(clean), 4)])
+            else:
                 loose.append(c)
-            out.append([c, round(st.median(clean or [y for _, y in rounds]), 4)])
         return out, loose
 
     no_spec, _ = curve(("nospec", "off"))
@@ -542,14 +544,20 @@ def path_profiles(runs, name, max_level=None):
         step_ms, configs, loose = {}, {}, {}
         for n in names:
             step_ms[n], lo = curve((build, n))
+            if not step_ms[n]:
+                del step_ms[n]
+                loose[n] = lo
+                continue
             c = (0, 1, 1) if n == "off" else parse_config(n)
             configs[n] = dict(zip(("steps", "topk", "draft_tokens"), c))
             if lo:
                 loose[n] = lo
+        if not step_ms:
+            continue
         profiles[build] = {"schema": "specctl.profile/1", "name": f"{name}-{build}", "configs": configs,
                            "step_ms": step_ms,
                            "noise_cv": round(st.median(cvs[build]), 4) if cvs.get(build) else 0.05,
-                           "source": {"build": what, "no_spec_step_ms": no_spec, "all_windows": loose,
+                           "source": {"build": what, "no_spec_step_ms": no_spec, "no_clean_window": loose,
                                       "method": "median over rounds of each round's median SGLang `Decode batch` "
                                                 "step without a prefill since the previous line"}}
     return profiles

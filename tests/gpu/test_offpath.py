@@ -464,8 +464,8 @@ def test_path_profiles_take_clean_medians_per_build_and_load_in_the_simulator(tm
     profs = B.path_profiles(runs, "t")
     assert set(profs) == {"specctl", "sglang"}
     sp = profs["specctl"]
-    assert sp["step_ms"] == {"off": [[1, 6.4], [16, 6.9]], "s3": [[1, 7.1], [16, 12.5]]}
-    assert sp["source"]["all_windows"] == {"s3": [16]}  # no clean window at c = 16: the all-windows median
+    assert sp["step_ms"] == {"off": [[1, 6.4], [16, 6.9]], "s3": [[1, 7.1]]}
+    assert sp["source"]["no_clean_window"] == {"s3": [16]}  # no clean window at c = 16: left out, not 12.5
     assert sp["source"]["no_spec_step_ms"] == [[1, 6.1], [16, 6.7]]  # the eager no-spec server is not in it
     assert sp["noise_cv"] == 0.04 and profs["sglang"]["noise_cv"] == 0.05
     assert profs["sglang"]["step_ms"] == {"off": [[1, 7.8]], "s3": [[1, 8.4]]}
