@@ -129,6 +129,9 @@ def main(log_level: str) -> None:
 @click.option("--ctx-axis/--no-ctx-axis", default=True, show_default=True,
               help="Where telemetry carries ctx_tokens and step time depends on it, publish a table per "
                    "band of mean context per request (--no-ctx-axis: one table for any context).")
+@click.option("--gap-term/--no-gap-term", default=False, show_default=True,
+              help="Experimental: price the time between decode steps (prefill iterations) per "
+                   "configuration where telemetry measured it for two or more (default: decode forwards only).")
 @click.option("--shed-when-behind", is_flag=True,
               help="When telemetry arrives faster than it can be fitted, fit every other record "
                    "(counted as shed) instead of back-pressuring the senders.")
@@ -136,7 +139,7 @@ def serve(telemetry, publish, status_ep, state_dir, refit_interval, heartbeat, h
           accept_half_life, accept_change_z, explore_decided_z, refresh_s, switch_z, max_margin, mode,
           threshold, fixed_config, configs, explore_period, challenge_period, metrics_port, metrics_host, init_policy,
           record, record_max_mb, curve_secret_key, curve_allowed_dir, insecure,
-          ctx_axis, shed_when_behind) -> None:
+          ctx_axis, gap_term, shed_when_behind) -> None:
     """Run the sidecar daemon: ingest telemetry, fit, publish the policy."""
     from .daemon import Daemon, Endpoints, serve_forever
     from .metrics import Metrics
@@ -155,7 +158,7 @@ def serve(telemetry, publish, status_ep, state_dir, refit_interval, heartbeat, h
                                        refresh_s=refresh_s, switch_z=switch_z, max_margin=max_margin,
                                        candidates=configs,
                                        explore_period=explore_period, challenge_period=challenge_period,
-                                       ctx_axis=ctx_axis)
+                                       ctx_axis=ctx_axis, gap_term=gap_term)
     except ValueError as e:
         raise click.UsageError(str(e)) from None
     store = StateStore(state_dir or _settings.state_base(env))

@@ -254,6 +254,7 @@ def test_acceptance_is_probed_while_plain_decode_runs_and_tracks_a_shift():
     for i, r in enumerate(steps[: 64 * 40 * 2]):
         r = next(probes) if i % 64 == 0 else r
         r["ts"] = clock.t = clock.t + 0.01
+        r["iter"] = 100000 + i  # one engine's consecutive decode steps (the filtering left holes)
         svc.observe_frame(json.dumps(r).encode())
         if i % 100 == 0:
             svc.tick()
