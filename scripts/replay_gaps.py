@@ -7,8 +7,10 @@ gap per step and the non-decode iterations per step behind it, and the two table
 
 Arguments: telemetry files (*.jsonl, *.jsonl.gz) or run_bench `server-logs.tgz` archives (every
 `*/telemetry/*.jsonl.gz` inside). On 2026-12-02's fourth lease (P: one server per fixed configuration, the same
-sweep) the decode state's stretches at batch 32-63 spend ~7 ms per step between decode steps, s2's ~20 ms
-(docs/gpu-testbed.md, item 1, fourth lease).
+sweep) the decode state's stretches at batch 32-63 spend 7.1 ms per step between decode steps, s1 / s2 / s3's
+15.1 / 17.2 / 17.1 (at 64-127: 9.3 against 18.6-21.2), and the tables flap at batch 44-128 where the gap term makes
+near-ties; on F (specctl's own server) plain decode moves from batch 138 down to 76 (docs/gpu-testbed.md, item 1,
+fourth lease).
 """
 from __future__ import annotations
 
