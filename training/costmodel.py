@@ -515,11 +515,10 @@ class CostModel:
         less the first step's own forward: what the server spent on prefill and extend iterations
         between them (0 for consecutive steps). A step's goodput is b·tau / (t + g), so a
         configuration that makes the server run more non-decode iterations per step pays for them
-        there: under closed-loop clients a
-        speculating server finishes requests on more steps and prefills their successors in more,
-        smaller batches (2026-12-02: 4.3 against 2.4 prefill iterations per 1000 tokens at batch
-        48-64 in one server's s2 and plain-decode stretches, 50-75 ms each), and the decode
-        forwards alone do not show it. A gap counts for the configuration of the stretch it lies in,
+        there: under closed-loop clients a speculating server finishes requests on more steps and
+        prefills their successors in more, smaller batches (2026-12-02: 4.3 against 2.4 prefill
+        iterations per 1000 tokens at batch 48-64 in one server's s2 and plain-decode stretches,
+        50-75 ms each), and the decode forwards alone do not show it. A gap counts for the configuration of the stretch it lies in,
         and only inside a stretch of GAP_STRETCH steps or more of it (a lone exploring step sits in
         the gaps its neighbours caused); a gap of more than GAP_IDLE_S is an idle server, not a cost."""
         key = (s.server, s.rank)
