@@ -7,6 +7,7 @@
 #   aux.tgz              pure-Python wheels the model/draft scripts need (gguf) + prompt sets
 #                        (MT-Bench question.jsonl, HumanEval.jsonl.gz)
 #   jitcache.tgz         tvm-ffi + Triton JIT cache (copied from $JITCACHE if given)
+#   flashinfer-jit-cache-sm90.tgz  flashinfer JIT cache (copied from $FICACHE if there)
 #   MANIFEST.json        name, bytes, sha256 of every file (parts too) and how parts join
 # usage: bash benchmarks/gpu/build_bundle.sh   (env PY312=/path/to/python3.12, PART_MB=56, JITCACHE=...)
 # Every part is <= PART_MB MiB so that a device call can carry it (a call carries <= 64 MiB in all).
@@ -68,6 +69,9 @@ echo "{\"mtbench\": \"$(basename $MTB)\", \"humaneval\": \"$(basename $HE)\"}" >
 tar czf $B/aux.tgz -C $A aux; rm -rf $A
 JITCACHE=${JITCACHE:-../shared/testbed/jitcache.tgz}
 if [ -f "$JITCACHE" ]; then cp "$JITCACHE" $B/jitcache.tgz; fi
+# flashinfer's JIT cache for sm90 (the flashinfer call J carries it; without it each flashinfer server compiles ~209 s)
+FICACHE=${FICACHE:-../shared/testbed/offpath/flashinfer-jit-cache-sm90.tgz}
+if [ -f "$FICACHE" ]; then cp "$FICACHE" $B/flashinfer-jit-cache-sm90.tgz; fi
 
 # ---- 5. manifest
 $PY312 benchmarks/gpu/bundle_manifest.py write $B
