@@ -7,11 +7,14 @@ import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterator, Optional
+from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Optional
 
 import zmq
 
 from . import transport
+
+if TYPE_CHECKING:
+    from .service import ControllerService, ServiceSettings
 
 
 @dataclass
@@ -82,3 +85,25 @@ def replay_to(path: str | Path, endpoint: str, *, speed: Optional[float] = None,
         return replay(path, sock, speed=speed)
     finally:
         sock.close()  # keeps LINGER so queued frames are delivered
+
+
+def replay_into(frames: Iterable[tuple[float, bytes]], settings: "ServiceSettings",
+                refit_every_s: float = 1.0) -> "ControllerService":
+    """A recording's frames, (ts, frame) in order, into an in-process ControllerService on their own
+    timestamps (its clock is the frames' ts), refitted every `refit_every_s` of them as `specctl serve`
+    does by default and once more a second after the last: what the daemon would have made of them."""
+    from .service import ControllerService
+
+    now = [0.0]
+    svc = ControllerService(settings, clock=lambda: now[0])
+    last: Optional[float] = None
+    for ts, frame in frames:
+        now[0] = ts
+        svc.observe_frame(frame)
+        if last is None or now[0] - last >= refit_every_s:
+            svc.refit()
+            last = now[0]
+    now[0] += 1.0
+    svc.refit()
+    return svc
+

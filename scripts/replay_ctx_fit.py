@@ -19,15 +19,8 @@ import sys
 
 import numpy as np
 
-from specctl.controller.service import ControllerService, ServiceSettings
-
-
-class _Clock:
-    def __init__(self) -> None:
-        self.t = 0.0
-
-    def __call__(self) -> float:
-        return self.t
+from specctl.controller.replay import replay_into
+from specctl.controller.service import ServiceSettings
 
 
 def within_slopes(steps: list[dict], config: tuple) -> dict[int, dict]:
@@ -54,17 +47,11 @@ def main(argv: list[str]) -> int:
     lines = [ln for ln in gzip.open(a.recording, "rt") if ln.strip()] if a.recording.endswith(".gz") \
         else [ln for ln in open(a.recording) if ln.strip()]
     recs = [json.loads(ln) for ln in lines]
-    clock = _Clock()
-    svc = ControllerService(ServiceSettings(), clock=clock)
-    last = None
+    frames, t = [], 0.0
     for ln, r in zip(lines, recs):
-        clock.t = float(r.get("ts", clock.t))
-        svc.observe_frame(ln.strip().encode())
-        if last is None or clock.t - last >= 1.0:
-            svc.refit()
-            last = clock.t
-    clock.t += 1.0
-    svc.refit()
+        t = float(r.get("ts", t))
+        frames.append((t, ln.strip().encode()))
+    svc = replay_into(frames, ServiceSettings())
     steps = [r for r in recs if r.get("kind") == "step"]
     configs = sorted({tuple(r["config"].values()) for r in steps})
     b = np.array([1, 8, 32, 64, 100, 128])

@@ -21,15 +21,8 @@ import json
 import sys
 import tarfile
 
+from specctl.controller.replay import replay_into
 from specctl.controller.service import ControllerService, ServiceSettings
-
-
-class _Clock:
-    def __init__(self) -> None:
-        self.t = 0.0
-
-    def __call__(self) -> float:
-        return self.t
 
 
 def read_lines(path: str) -> list[bytes]:
@@ -44,21 +37,6 @@ def read_lines(path: str) -> list[bytes]:
         return out
     raw = gzip.open(path).read() if path.endswith(".gz") else open(path, "rb").read()
     return [ln for ln in raw.splitlines() if ln.strip()]
-
-
-def replay(lines: list[tuple[float, bytes]], gap_term: bool) -> ControllerService:
-    clock = _Clock()
-    svc = ControllerService(ServiceSettings(gap_term=gap_term), clock=clock)
-    last = None
-    for ts, ln in lines:
-        clock.t = ts
-        svc.observe_frame(ln)
-        if last is None or clock.t - last >= 1.0:
-            svc.refit()
-            last = clock.t
-    clock.t += 1.0
-    svc.refit()
-    return svc
 
 
 def table(svc: ControllerService) -> list[str]:
@@ -82,7 +60,8 @@ def main(argv: list[str]) -> int:
             if r.get("kind") == "step":
                 lines.append((float(r["ts"]), ln))
     lines.sort(key=lambda x: x[0])
-    on, off = replay(lines, True), replay(lines, False)  # specctl serve --gap-term / the default
+    on = replay_into(lines, ServiceSettings(gap_term=True))  # specctl serve --gap-term
+    off = replay_into(lines, ServiceSettings())
     gaps = {name: c.get("gaps") for name, c in on.model.summary()["configs"].items() if c.get("gaps")}
     out = {"steps": len(lines), "gaps": gaps, "table_with_gap_term": table(on), "table_without": table(off)}
     text = json.dumps(out, indent=1)
