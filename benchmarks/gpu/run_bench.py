@@ -162,6 +162,14 @@ def prompt_logprobs(meta):
     return lp, [[t[0], t[1]] for t in top[:2]]
 
 
+def client_session():
+    """The benchmark's HTTP client: no cap on open connections. aiohttp's default connector holds at most 100,
+    so until 2026-12-03 every "c = 128" level and phase ran at most 100 requests at a time."""
+    import aiohttp
+
+    return aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=900), connector=aiohttp.TCPConnector(limit=0))
+
+
 async def one_request(session, port, ids, new, out, stream=True, pid=None, top2=False, ignore_eos=False,
                       prefill_lp=False):
     """Streaming /generate; records ttft, latency, tokens, verify count (stream=False: also the output ids, and
@@ -212,9 +220,8 @@ async def closed_loop(port, items, conc, n_req, new, stream=True, top2=False, ig
                       spread=0):
     """conc clients sending n_req requests (items in order, cycled); the k-th request drawn asks for
     spread_tokens(new, spread, k) tokens."""
-    import aiohttp
     out, it = [], enumerate(items * (1 + n_req // max(1, len(items))))
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=900)) as s:
+    async with client_session() as s:
         async def worker(k):
             for _ in range(k):
                 j, x = next(it)
@@ -229,7 +236,6 @@ async def closed_loop(port, items, conc, n_req, new, stream=True, top2=False, ig
 async def phase_loop(port, pools, phases, new, seed=0, spread=0):
     """The phase workload: every request's record carries the phase it was sent in (`phase`); returns (records,
     wall, the epoch the first phase began at). The n-th request sent asks for spread_tokens(new, spread, n)."""
-    import aiohttp
     rng = random.Random(seed)
     out, idx = [], {k: 0 for k in pools}
     sent = [0]
@@ -242,7 +248,7 @@ async def phase_loop(port, pools, phases, new, seed=0, spread=0):
             o["phase"] = k
         out.extend(got)
 
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=900)) as s:
+    async with client_session() as s:
         inflight = set()
         t_start = time.time()
         for k, ph in enumerate(phases):
@@ -330,9 +336,8 @@ async def resync_probe(port, log_path, probes, fillers, *, probe_tokens=2400, of
     the tail's length: `accept_same_text` (its lines, all at >= T0) against accept_after, and per probe how many
     leading tail tokens both continuations share (`same_text_tokens`). A probe that finished during the plain
     stretch, or a tail shorter than min_tail tokens, leaves the figures None (say why in `invalid`)."""
-    import aiohttp
     await asyncio.sleep(0.5)
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=900)) as s:
+    async with client_session() as s:
         ref = [[] for _ in probes]
         off0, t0 = os.path.getsize(log_path), time.time()
         await asyncio.gather(*[traced_request(s, port, p["ids"], probe_tokens, tr) for p, tr in zip(probes, ref)])

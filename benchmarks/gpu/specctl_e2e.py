@@ -61,10 +61,9 @@ def common_args(maxc, memf):
 
 async def timed_loop(port, items, conc, duration_s, new, offset=0):
     """c closed-loop streaming clients for duration_s (requests started before the end finish)."""
-    import aiohttp
     out, nxt = [], [offset]
     t_end = time.time() + duration_s
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=900)) as s:
+    async with RB.client_session() as s:
         async def worker():
             while time.time() < t_end:
                 x = items[nxt[0] % len(items)]
@@ -77,9 +76,8 @@ async def timed_loop(port, items, conc, duration_s, new, offset=0):
 
 async def one_by_one(port, items, new):
     """Each prompt alone (c=1), non-streaming: output ids and accept length per prompt."""
-    import aiohttp
     out = []
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=900)) as s:
+    async with RB.client_session() as s:
         for x in items:
             await RB.one_request(s, port, x["ids"], new, out, False, x.get("id"))
     return out
@@ -368,9 +366,8 @@ def margin_quantiles(top2):
 
 
 async def all_at_once(port, items, min_tokens, step_tokens, top2=False):
-    import aiohttp
     out = []
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=900)) as s:
+    async with RB.client_session() as s:
         await asyncio.gather(*[RB.one_request(s, port, x["ids"], min_tokens + step_tokens * i, out, False, x.get("id"),
                                               top2=top2) for i, x in enumerate(items)])
     return out

@@ -414,3 +414,54 @@ def test_max_concurrency_covers_every_part_of_the_run(levels, phases, identity_c
     """A server's --max-running-requests holds every part of its run: the levels, the phases, the identity
     probe and the resync probe's probes beside its fillers; below that, requests queue and the figures lie."""
     assert B.max_concurrency(levels, phases, identity_c, resync=resync) == want
+
+
+def test_closed_loop_clients_are_all_in_flight_at_once_beyond_100():
+    """c = 128 closed-loop clients hold 128 requests open at once (aiohttp's default connector held 100, so every
+    "c = 128" level and phase ran at most 100 at a time until 2026-12-03): a stdlib server that keeps each request
+    open until 128 are in flight, or 3 s have passed, and records the most it saw."""
+    pytest.importorskip("aiohttp")
+    import asyncio
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    import run_bench as RB
+
+    c = 128
+    state = {"now": 0, "most": 0}
+    lock, full = threading.Lock(), threading.Event()
+
+    class H(BaseHTTPRequestHandler):
+        def log_message(self, *a):
+            pass
+
+        def do_POST(self):
+            self.rfile.read(int(self.headers["Content-Length"]))
+            with lock:
+                state["now"] += 1
+                state["most"] = max(state["most"], state["now"])
+                if state["now"] >= c:
+                    full.set()
+            full.wait(3.0)
+            body = json.dumps({"meta_info": {"completion_tokens": 1}, "output_ids": [7]}).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+            with lock:
+                state["now"] -= 1
+
+    class Server(ThreadingHTTPServer):
+        request_queue_size = 2 * c  # the listen backlog (5 by default) would refuse a burst of 128 connects
+        daemon_threads = True
+
+    srv = Server(("127.0.0.1", 0), H)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        items = [{"ids": [1, 2, 3], "id": f"p{i}"} for i in range(4)]
+        out, _ = asyncio.run(RB.closed_loop(srv.server_address[1], items, c, c, 1, stream=False))
+    finally:
+        srv.shutdown()
+    assert len(out) == c and not any("error" in o for o in out)
+    assert state["most"] == c
