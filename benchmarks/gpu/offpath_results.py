@@ -31,9 +31,11 @@ import statistics as st
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from benchlib import logit_report, parse_decode_lines, parse_policy, path_profiles  # noqa: E402
+from benchlib import (iteration_gaps, logit_report, parse_decode_lines, parse_policy, path_profiles,  # noqa: E402
+                      prefill_batches)
 
 NO_SPEC_POLICY, DECODE_STATE, TRIVIAL = "off", "plugin-fixed:1:s3", "plugin-fixed:1:s3+verify"
+SKIP_DE = "+skipde"  # the decode state without the steps-0 draft extend (SGLANG_SPEC_SKIP_ZERO_STEP_DRAFT_EXTEND=1)
 DECODE_STATE_DEG = "plugin-fixed:1:s3+deg"  # the decode state with the steps-0 draft extend in its own graph
 DECODE_STATE_NODEG = "plugin-fixed:1:s3+nodeg"  # ... and without (0.5.17's launch-width graphs)
 STEP_POLICIES = ("off", DECODE_STATE, TRIVIAL, DECODE_STATE_DEG, DECODE_STATE_NODEG)
@@ -103,7 +105,7 @@ def clean_step_costs(log_dirs: list[str], concurrencies: list[int]) -> list[dict
                 if r.get("clean_step_ms_med") and r["clean_lines"] >= MIN_CLEAN_WINDOWS:
                     row[pol] = {"ms": r["clean_step_ms_med"], "windows": r["clean_lines"]}
             ref = (row.get(NO_SPEC_POLICY) or {}).get("ms")
-            for pol in (DECODE_STATE, DECODE_STATE + "+lp", TRIVIAL):
+            for pol in (DECODE_STATE, DECODE_STATE + "+lp", DECODE_STATE + SKIP_DE, TRIVIAL):
                 if ref and (row.get(pol) or {}).get("ms"):
                     row[pol]["vs_no_spec"] = round(row[pol]["ms"] / ref, 4)
             stock = (row.get(S3_STOCK_NOW) or {}).get("ms") or (row.get(S3_STOCK) or {}).get("ms")
@@ -112,6 +114,63 @@ def clean_step_costs(log_dirs: list[str], concurrencies: list[int]) -> list[dict
             if len(row) > 2:
                 out.append(row)
     return out
+
+
+def read_telemetry(folder: str) -> list[dict]:
+    """The step records of a run_bench plugin server's recorded telemetry (its specctl-<policy>/telemetry/)."""
+    import glob
+    import gzip
+
+    out = []
+    for f in sorted(glob.glob(os.path.join(folder, "telemetry", "*.jsonl*"))):
+        with (gzip.open(f, "rt") if f.endswith(".gz") else open(f)) as fh:
+            for ln in fh:
+                try:
+                    r = json.loads(ln)
+                except ValueError:
+                    continue
+                if r.get("kind") == "step":
+                    out.append(r)
+    return out
+
+
+def prefill_iterations(log_dirs: list[str]) -> list[dict]:
+    """Per call: each server's prefill batches at high load (benchlib.prefill_batches over its log) and, for
+    the plugin's servers, the wall time one prefill iteration takes between two decode steps, per configuration
+    and batch region (benchlib.iteration_gaps over the recorded telemetry). Where a whole-iteration loss at
+    c >= 64 comes from: more prefill iterations, dearer ones, or neither."""
+    out = []
+    for d in log_dirs:
+        row: dict = {"logs": d, "servers": {}}
+        for f in sorted(os.listdir(d)):
+            if f.endswith(".log") and f != "run.log":
+                row["servers"].setdefault(log_policy(f), {})["prefill"] = prefill_batches(
+                    open(os.path.join(d, f), errors="replace").read())
+            elif f.startswith("specctl-") and os.path.isdir(os.path.join(d, f)):
+                gaps = iteration_gaps(read_telemetry(os.path.join(d, f)))
+                if gaps:
+                    row["servers"].setdefault(f[len("specctl-"):].replace("_", ":"), {})["one_iteration_gap_ms"] = {
+                        f"s{k[0]} b{k[1]}": v for k, v in gaps.items()}
+        out.append(row)
+    return out
+
+
+def tdump_summary(path: str) -> dict:
+    """tensor_dump.py's tensor-dump.json in brief: per prompt, whether both servers' greedy ids agree, how many
+    forward passes were matched and how many of them hold no differing module output, and the first difference."""
+    d = json.load(open(path))
+    per = {}
+    for pid, r in (d.get("report") or {}).items():
+        passes = r.get("matched_passes") or []
+        first = next((p for p in passes if p.get("differing")), None)
+        per[pid] = {"ids_same": r.get("ids_off") == r.get("ids_decode_state"), "passes": len(passes),
+                    "passes_identical": sum(1 for p in passes if p.get("differing") == 0),
+                    "first_difference": None if first is None else {"positions": first.get("positions"),
+                                                                    "module": first.get("first_differing"),
+                                                                    "diff": first.get("first_diff")}}
+    return {"file": path, "layers": d.get("layers"), "new_tokens": d.get("new_tokens"),
+            "flushed_each_prompt": d.get("flush"),  # None: a dump from before tensor_dump.py had --flush
+            "prompts": per}
 
 
 def splitkv_costs(runs: list[dict]) -> list[dict]:
@@ -184,6 +243,7 @@ def build(benches: list[dict], calls: list[str], log_dirs: list[str] | None = No
     if sk:
         rec["splitkv"] = sk
     if log_dirs:
+        rec["prefill_iterations"] = prefill_iterations(log_dirs)
         rec["step_costs_clean"] = clean_step_costs(log_dirs, sorted({r["concurrency"] for r in rec["step_costs"]}
                                                                     | {r["concurrency"] for r in sk}))
     seen: dict[str, int] = {}
@@ -355,11 +415,15 @@ def main() -> None:
                     help="a directory of one call's server logs (g0.tgz's g0/): step costs over clean windows")
     ap.add_argument("--profiles", default=None,
                     help="also write each server build's simulator cost profile (benchlib.path_profiles) here")
+    ap.add_argument("--tdump", action="append", default=[],
+                    help="a tensor_dump.py tensor-dump.json (item 5: where the decode state's forward parts)")
     ap.add_argument("--profile-name", default="h200-sglang-smollm2-135m-8b",
                     help="profile names: NAME-<attention backend>-<build>")
     a = ap.parse_args()
     benches = [json.load(open(f)) for f in a.bench]
     rec = build(benches, a.call, a.logs)
+    if a.tdump:
+        rec["tensor_dump"] = [tdump_summary(p) for p in a.tdump]
     if a.profiles:
         rec["path_profiles"] = write_profiles(benches, a.profiles, a.profile_name, a.call)
         print(json.dumps(rec["path_profiles"], indent=1))

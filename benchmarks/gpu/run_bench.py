@@ -614,6 +614,22 @@ def main():
         lp = os.path.join(a.out, f"{a.variant}-{pol.replace(':', '_')}.log")
         return {"policy": pol, "side": side, **start_server(a.model, port, common + args, env, lp)}
 
+    def identity_pass(port, **kw):
+        """The identity probe's 16 prompts, the radix cache flushed first: (all flushes took, outputs). At
+        --identity-c 1 each prompt goes alone after a flush of its own, so every server prefills it whole: sent one
+        after another, a prompt reuses the shared chat-template prefix the previous one cached, and an EAGLE server's
+        radix cache keys on token pairs and reuses one token less, so its prefill has another length, other GEMM
+        shapes and other bf16 rounding than the no-spec server's (tensor_dump.py, 2026-12-03)."""
+        if a.identity_c != 1:
+            ok = flush_cache(port)
+            return ok, asyncio.run(closed_loop(port, mixed[:16], a.identity_c, 16, a.identity_tokens, stream=False,
+                                               **kw))[0]
+        ok, outs = True, []
+        for x in mixed[:16]:
+            ok &= flush_cache(port)
+            outs += asyncio.run(closed_loop(port, [x], 1, 1, a.identity_tokens, stream=False, **kw))[0]
+        return ok, outs
+
     def prepare(sv):
         """Warm-up, specctl's learning pass, the identity probe, the accept-length evaluation."""
         pol, srv = sv["policy"], result["servers"][sv["policy"]]
@@ -629,17 +645,15 @@ def main():
                                             a.new_tokens))
             srv["learn_s"] = round(time.time() - t_learn, 1)
             log(f"specctl learned for {srv['learn_s']} s; policy:", json.dumps(sv["side"].status()["policy"]["table"])[:600])
-        srv["identity_cache_flushed"] = flush_cache(sv["port"])
-        outs, _ = asyncio.run(closed_loop(sv["port"], mixed[:16], a.identity_c, 16, a.identity_tokens, stream=False))
+        srv["identity_cache_flushed"], outs = identity_pass(sv["port"])
         result["identity"][pol] = {o.get("pid"): o.get("ids") for o in outs}
         if pol == "off" or parse_policy(pol).get("plain_decode_logprobs"):
             # how close each of the reference's choices was (a pass of its own: the ids above come from
             # requests without logprobs, as every server's do; a spec server runs logprob steps through its
             # trivial verify, so only the no-spec server is asked — and a decode-state server with +lp, whose
             # logprob steps run its decode forward: its top-2 against the no-spec server's, position by position)
-            srv["identity_cache_flushed"] &= flush_cache(sv["port"])
-            outs, _ = asyncio.run(closed_loop(sv["port"], mixed[:16], a.identity_c, 16, a.identity_tokens,
-                                              stream=False, top2=True))
+            flushed, outs = identity_pass(sv["port"], top2=True)
+            srv["identity_cache_flushed"] &= flushed
             result.setdefault("identity_top2", {})[pol] = {o.get("pid"): o.get("top2_rows") for o in outs}
             same = sum(1 for o in outs if o.get("ids") == result["identity"][pol].get(o.get("pid")))
             if pol == "off":

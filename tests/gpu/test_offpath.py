@@ -179,8 +179,11 @@ def test_call_d_runs_end_to_end_against_the_stand_in_and_makes_the_record(tmp_pa
     assert len(bench["identity_margins"]) == 16 and bench["identity_margins_ids_same"] == 16
     assert all(len(m) == 24 and all(x is not None and x > 0 for x in m) for m in bench["identity_margins"].values())
     assert "median_margin" in bench["identity"][O.DECODE_STATE]
-    # every server's identity prompts prefilled afresh (the warm-up's KV flushed from the radix cache)
+    # every server's identity prompts prefilled afresh (the warm-up's KV flushed from the radix cache), at
+    # --identity-c 1 each prompt after a flush of its own (an EAGLE server reuses one token less of a cached prefix)
     assert all(bench["servers"][p]["identity_cache_flushed"] is True for p in pols)
+    flushes = {p: open(out / f"mock-{p.replace(':', '_')}.log").read().count("Cache flushed successfully!") for p in pols}
+    assert flushes[O.NO_SPEC_POLICY] >= 16 + 16 + 1 and flushes[O.DECODE_STATE] >= 16 + 1, flushes  # + the prefill probe
     # every server's finished requests, from their ReqTimeStats lines
     for p in pols:
         rs = bench["servers"][p]["request_stats"]
@@ -483,3 +486,28 @@ def test_path_profiles_take_clean_medians_per_build_and_load_in_the_simulator(tm
     with pytest.raises(SystemExit, match="attention backends"):
         O.write_profiles([{"attention_backend": "triton", "runs": runs}, {"attention_backend": "flashinfer", "runs": []}],
                          str(tmp_path), "t", [])
+
+
+def test_prefill_batches_count_the_high_load_lines_and_their_new_requests():
+    line = ("[t] Prefill batch, #new-seq: {n}, #new-token: 40, #cached-token: 20, token usage: 0.1, "
+            "#running-req: {r}, #queue-req: 0\n")
+    text = (line.format(n=2, r=100) + line.format(n=1, r=127) + line.format(n=5, r=40)
+            + "[t] Decode batch, #running-req: 128, #token: 900, gen throughput (token/s): 10.0\n")
+    assert B.prefill_batches(text) == {"min_running": 90, "prefill_batches": 2, "new_requests_per_batch": 1.5}
+    assert B.prefill_batches(text, min_running=30)["prefill_batches"] == 3
+    assert B.prefill_batches("")["new_requests_per_batch"] is None
+
+
+def test_iteration_gaps_time_one_skipped_iteration_per_config_and_batch_region():
+    def step(it, ts, ms, bs, steps=0, rank=0):
+        return {"iter": it, "ts": ts, "step_ms": ms, "batch_size": bs, "config": {"steps": steps}, "rank": rank}
+
+    steps = [step(10, 0.000, 8.0, 100), step(11, 0.008, 8.0, 100),  # consecutive: no gap
+             step(13, 0.078, 8.0, 100),  # one iteration skipped: 70 ms launch to launch, less the 8 ms step = 62
+             step(16, 0.300, 8.0, 100),  # two skipped: not a one-iteration gap
+             step(17, 0.308, 9.0, 20, steps=3), step(19, 0.358, 9.0, 20, steps=3),  # s3 at batch 20: 50 - 9 = 41
+             step(21, 0.400, 9.0, 20, steps=3),  # 42 - 9 = 33
+             step(23, 3.000, 9.0, 20, steps=3),  # an idle server (2.6 s): left out
+             step(12, 0.050, 8.0, 100, rank=1)]  # another rank's step never pairs with rank 0's
+    got = B.iteration_gaps(steps)
+    assert got == {(0, "96-"): [1, 62.0], (3, "16-47"): [2, 37.0]}
