@@ -85,6 +85,11 @@ class PluginSettings:
     # "check": the first fi_verify_check_steps plans are built both ways and compared, a mismatch turns it off
     fi_verify_host_plan: str = "off"
     fi_verify_check_steps: int = 32
+    # SPECCTL_DRAFT_CATCHUP: steps 0 defers the draft's 1-token extends and extends the draft over what is
+    # pending once per this many steps-0 steps and before the first draft after plain decode
+    # (plugin/draft_catchup.py); 0 = off, SGLang's extend every step (the default until the GPU has measured
+    # its step cost and the draft's acceptance after a plain-decode stretch)
+    draft_catchup: int = 0
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -102,6 +107,8 @@ class PluginSettings:
                              f"not {self.fi_verify_host_plan!r}")
         if self.fi_verify_check_steps < 1:
             raise ValueError(f"SPECCTL_FI_VERIFY_HOST_PLAN=check:N needs N >= 1, got {self.fi_verify_check_steps}")
+        if self.draft_catchup != 0 and self.draft_catchup < 2:
+            raise ValueError(f"SPECCTL_DRAFT_CATCHUP must be off, on or a number of steps >= 2, got {self.draft_catchup}")
         if (self.curve_secret_key_file is None) != (self.curve_server_key_file is None):
             raise ValueError("set both SPECCTL_CURVE_SECRET_KEY and SPECCTL_CURVE_SERVER_KEY (or neither)")
 
@@ -119,7 +126,9 @@ class PluginSettings:
         (`on` | `off`: steps with log-probability requests in the decode state too),
         `SPECCTL_PLAIN_DECODE_FLASHINFER` (`on` | `off`: the decode state on flashinfer too),
         `SPECCTL_FI_VERIFY_HOST_PLAN` (`off` | `on` | `check` | `check:N`: flashinfer's verify plan from host
-        values; `check` compares it with plan()'s for the first N plans, 32 by default)."""
+        values; `check` compares it with plan()'s for the first N plans, 32 by default),
+        `SPECCTL_DRAFT_CATCHUP` (`off` | `on` | N >= 2: steps 0 extends the draft once per N steps-0 steps,
+        16 with `on`, and before the first draft after them, instead of every step)."""
 
         def get(name: str) -> Optional[str]:
             v = env.get(ENV_PREFIX + name)
@@ -157,6 +166,7 @@ class PluginSettings:
             if v not in SWITCH_ON + SWITCH_OFF:
                 raise ValueError(f"SPECCTL_{name} must be on or off, not {v!r}")
             kw[field_] = v in SWITCH_ON
+        kw["draft_catchup"] = _draft_catchup(get("DRAFT_CATCHUP"))
         kw["fi_verify_host_plan"], steps = _fi_verify_host_plan(get("FI_VERIFY_HOST_PLAN"))
         if steps is not None:
             kw["fi_verify_check_steps"] = steps
@@ -164,6 +174,22 @@ class PluginSettings:
             kw["policy_file"] = get("POLICY_FILE")
             kw.setdefault("mode", "file")
         return cls(**kw)
+
+
+DRAFT_CATCHUP_ON = 16  # SPECCTL_DRAFT_CATCHUP=on: steps-0 steps between two catch-ups at most
+
+
+def _draft_catchup(value: Optional[str]) -> int:
+    """SPECCTL_DRAFT_CATCHUP: off (0), on (DRAFT_CATCHUP_ON) or a number of steps."""
+    v = (value or "off").lower()
+    if v in SWITCH_OFF:
+        return 0
+    if v in SWITCH_ON:
+        return DRAFT_CATCHUP_ON
+    try:
+        return int(v)
+    except ValueError:
+        raise ValueError(f"SPECCTL_DRAFT_CATCHUP must be off, on or a number of steps, not {value!r}") from None
 
 
 def _fi_verify_host_plan(value: Optional[str]) -> tuple[str, Optional[int]]:

@@ -17,6 +17,14 @@ The decode state (speculation off as a decode forward; plugin/plain_decode.py; S
     AROUND   EAGLEWorkerV2.verify                  at steps 0: the verify call runs with it
     AROUND   TpModelWorker.forward_batch_generation  the target forward of that call: a DECODE forward
 
+The draft's steps-0 extends deferred to one per K steps (SPECCTL_DRAFT_CATCHUP, off by default;
+plugin/draft_catchup.py):
+
+    AROUND   EagleDraftWorker._draft_extend_for_decode   steps 0: the ring, SGLang's stubs; every K-th: the catch-up
+    BEFORE   EagleDraftWorker.draft                      the catch-up after steps-0 steps
+    AFTER    EagleDraftWorker._draft_extend_for_prefill  nothing pending for a prefilled request
+    (built AFTER EAGLEWorkerV2.init_cuda_graphs, with the decode state)
+
 Each chain state's own draft-extend graphs (SPECCTL_DRAFT_EXTEND_GRAPHS, on by default; SGLang 0.5.17 only):
 
     AROUND   spec_utils.resolve_num_tokens_per_req   phase "draft_extend": the width in the spec bag (which
@@ -111,6 +119,9 @@ class Targets:
     def plain_targets(self) -> tuple[str, ...]:
         return (self.init_graphs, self.verify, self.target_forward)
 
+    def catchup_targets(self) -> tuple[str, ...]:
+        return (self.init_graphs, self.extend_decode, self.draft, self.extend_prefill)
+
     def fi_plan_targets(self) -> tuple[str, ...]:
         return (self.fi_out_graph, self.fi_begin_forward)
 
@@ -199,6 +210,7 @@ class PluginRuntime:
         self._prev_launch: Optional[tuple[int, float]] = None
         self._warned: set[str] = set()
         self.plain: Any = None  # the decode state (plain_decode.PlainDecode), once built
+        self.catchup: Any = None  # the deferred steps-0 draft extends (draft_catchup.DraftCatchup), once built
         self.fi_plan: Any = None  # fi_verify_plan.HostPlan while SPECCTL_FI_VERIFY_HOST_PLAN hooks SGLang
         # the batch's context, read by the forward hook for get_steps_for_batch: (batch size, ctx_tokens)
         self._ctx_pending: Optional[tuple[int, int]] = None
@@ -379,6 +391,9 @@ class PluginRuntime:
         if self.settings.plain_decode:
             consequence.update({t: "no decode state: speculation off runs SGLang's 1-token verify"
                                 for t in self.targets.plain_targets()})
+        if self.settings.draft_catchup:
+            consequence.update({t: "no draft catch-up: steps 0 extends the draft every step"
+                                for t in self.targets.catchup_targets()})
         if self.settings.splitkv_verify:
             consequence[self.targets.triton_init] = "verify attention stays SGLang's extend kernel"
         if self.settings.draft_extend_graphs and _draft_width_needed():
@@ -433,6 +448,19 @@ class PluginRuntime:
                                         backends=plain_decode.backends(self.settings.plain_decode_flashinfer))
         if self.plain is not None:
             self.plain.logprobs = bool(self.settings.plain_decode_logprobs)
+
+    def build_catchup(self, worker: Any) -> None:
+        """AFTER init_cuda_graphs (every TP rank): the draft catch-up, or None with the reason logged.
+        Nothing collective: every rank reaches the same answer from the same launch."""
+        from . import draft_catchup, plain_decode
+
+        self.catchup = None
+        missing = [t for t in self.targets.catchup_targets() if self.missing_hooks is None or t in self.missing_hooks]
+        if missing:
+            log.error("specctl: no draft catch-up: the hooks on %s are not in place", ", ".join(missing))
+            return
+        self.catchup = draft_catchup.build(worker, k=self.settings.draft_catchup, trees=bool(self.trees),
+                                           plain_reason=plain_decode.unsupported_reason(worker))
 
     # ---------------------------------------------------------------- per step
 
@@ -701,10 +729,15 @@ def install(settings: PluginSettings, *, targets: Targets = SGLANG_TARGETS,
             rt.fi_plan = HostPlan(settings.fi_verify_host_plan, check_steps=settings.fi_verify_check_steps)
             HookRegistry.register(targets.fi_out_graph, _around_fi_out_graph, HookType.AROUND)
             HookRegistry.register(targets.fi_begin_forward, _around_fi_call_begin_forward, HookType.AROUND)
-    if settings.plain_decode:
+    if settings.plain_decode or settings.draft_catchup:
         HookRegistry.register(targets.init_graphs, _after_init_graphs, HookType.AFTER)
+    if settings.plain_decode:
         HookRegistry.register(targets.verify, _around_verify, HookType.AROUND)
         HookRegistry.register(targets.target_forward, _around_target_forward, HookType.AROUND)
+    if settings.draft_catchup:
+        HookRegistry.register(targets.extend_decode, _around_extend_catchup, HookType.AROUND)
+        HookRegistry.register(targets.draft, _before_draft_catchup, HookType.BEFORE)
+        HookRegistry.register(targets.extend_prefill, _after_prefill_catchup, HookType.AFTER)
     return rt
 
 
@@ -860,13 +893,48 @@ def _around_fi_call_begin_forward(orig: Callable[..., Any], updater: Any, *args:
 
 def _after_init_graphs(ret: Any, worker: Any, *args: Any, **kwargs: Any) -> None:
     rt = _RUNTIME
-    if rt is not None:
+    if rt is None:
+        return None
+    if rt.settings.plain_decode:
         try:
             rt.build_plain(worker)
         except Exception as e:  # noqa: BLE001 - the server starts without it
             rt.plain = None
             log.exception("specctl: no decode state (%s: %s)", type(e).__name__, e)
+    if rt.settings.draft_catchup:
+        try:
+            rt.build_catchup(worker)
+        except Exception as e:  # noqa: BLE001 - the server starts without it: steps 0 extends every step
+            rt.catchup = None
+            log.exception("specctl: no draft catch-up (%s: %s)", type(e).__name__, e)
     return None
+
+
+def _around_extend_catchup(orig: Callable[..., Any], draft_worker: Any, *args: Any, **kwargs: Any) -> Any:
+    rt = _RUNTIME
+    cu = rt.catchup if rt is not None else None
+    if cu is None or not cu.on:
+        return orig(draft_worker, *args, **kwargs)
+    rest = dict(kwargs)
+    batch = args[0] if args else rest.pop("batch")
+    result = args[1] if len(args) > 1 else rest.pop("batch_result")
+    return cu.around_extend(orig, draft_worker, batch, result, args[2:], rest)
+
+
+def _before_draft_catchup(draft_worker: Any, *args: Any, **kwargs: Any) -> None:
+    rt = _RUNTIME
+    cu = rt.catchup if rt is not None else None
+    if cu is not None and cu.on:
+        cu.before_draft(draft_worker, args[0] if args else kwargs["batch"])
+    return None
+
+
+def _after_prefill_catchup(ret: Any, draft_worker: Any, *args: Any, **kwargs: Any) -> None:
+    rt = _RUNTIME
+    cu = rt.catchup if rt is not None else None
+    if cu is not None and cu.on:
+        cu.after_prefill(args[0] if args else kwargs["batch"])
+    return None  # keep SGLang's return value
 
 
 def _after_trivial_verify_input(ret: Any, worker: Any, *args: Any, **kwargs: Any) -> None:

@@ -27,6 +27,8 @@ LOGPROBS = "+lp"  # plugin policy suffix: SPECCTL_PLAIN_DECODE_LOGPROBS=on (logp
 FLASHINFER = "+fi"  # plugin policy suffix: SPECCTL_PLAIN_DECODE_FLASHINFER=on (the decode state on flashinfer too)
 FI_HOST_PLAN = "+fihost"  # plugin policy suffix: SPECCTL_FI_VERIFY_HOST_PLAN=check (flashinfer's verify plan from host
 #                           values, compared with plan()'s for its first 32 plans; a mismatch logs and turns it off)
+CATCHUP = "+catchup"  # plugin policy suffix: SPECCTL_DRAFT_CATCHUP=on (steps 0 extends the draft once per 16 steps-0 steps
+#                       and before the next draft, not every step: plugin/draft_catchup.py)
 # a plugin policy's suffix -> (parse_policy's field, its value, the plugin's switch, its setting, why a plugin)
 PLUGIN_SWITCHES = {
     VERIFY_OFF: ("plain_decode", False, "SPECCTL_PLAIN_DECODE", "off", "it turns the plugin's decode state off"),
@@ -42,6 +44,7 @@ PLUGIN_SWITCHES = {
                  "it builds its decode state on flashinfer"),
     FI_HOST_PLAN: ("fi_verify_host_plan", True, "SPECCTL_FI_VERIFY_HOST_PLAN", "check",
                    "it plans flashinfer's verify from host values"),
+    CATCHUP: ("draft_catchup", True, "SPECCTL_DRAFT_CATCHUP", "on", "it defers the steps-0 draft extends"),
 }
 
 

@@ -67,7 +67,7 @@ case $step in
       grep -v "Decode batch" $OUT/g$g.log | grep -E "^\[|Error|error" | tail -30
       cp $OUT/g$g/bench-*.json $OUT/bench-g$g.json 2>/dev/null; mv $OUT/g$g.log $OUT/g$g/run.log
       # what the decode state did in this sweep's servers, for a later call's `gate` (kept while the machine is warm)
-      grep -rhoE "specctl: (decode state built[^;]*|decode state OFF.*|no decode state.*|decode state step failed)" \
+      grep -rhoE "specctl: (decode state built[^;]*|decode state OFF.*|no decode state.*|decode state step failed|draft catch-up on|draft catch-up OFF.*|no draft catch-up.*)" \
         $OUT/g$g --include='*.log' | sort | uniq -c > /tmp/specctl-gate-g$g.txt
       tar czf $OUT/g$g.tgz -C $OUT g$g && rm -rf $OUT/g$g
     done ;;
@@ -100,6 +100,7 @@ case $step in
     cat $f
     grep -q "decode state built" $f || { echo "GATE: no server built the decode state"; exit 3; }
     ! grep -qE "decode state OFF|no decode state|step failed" $f || { echo "GATE: the decode state failed"; exit 3; }
+    ! grep -qE "draft catch-up OFF|no draft catch-up" $f || { echo "GATE: the draft catch-up failed"; exit 3; }
     echo "GATE: ok" ;;
   *) echo "unknown step $step"; exit 2 ;;
 esac

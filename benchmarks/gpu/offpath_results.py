@@ -38,7 +38,8 @@ NO_SPEC_POLICY, DECODE_STATE, TRIVIAL = "off", "plugin-fixed:1:s3", "plugin-fixe
 SKIP_DE = "+skipde"  # the decode state without the steps-0 draft extend (SGLANG_SPEC_SKIP_ZERO_STEP_DRAFT_EXTEND=1)
 DECODE_STATE_DEG = "plugin-fixed:1:s3+deg"  # the decode state with the steps-0 draft extend in its own graph
 DECODE_STATE_NODEG = "plugin-fixed:1:s3+nodeg"  # ... and without (0.5.17's launch-width graphs)
-STEP_POLICIES = ("off", DECODE_STATE, TRIVIAL, DECODE_STATE_DEG, DECODE_STATE_NODEG)
+DECODE_STATE_CATCHUP = "plugin-fixed:1:s3+catchup"  # ... with the steps-0 draft extends deferred (SPECCTL_DRAFT_CATCHUP)
+STEP_POLICIES = ("off", DECODE_STATE, TRIVIAL, DECODE_STATE_DEG, DECODE_STATE_NODEG, DECODE_STATE_CATCHUP)
 
 
 def shipped(pol: str) -> str:
@@ -46,6 +47,7 @@ def shipped(pol: str) -> str:
     specctl+deg is specctl and plugin-fixed:5:s3+deg+skipde is plugin-fixed:5:s3+skipde."""
     return pol.replace("+deg", "")
 RESYNC, RESYNC_SKIP = "plugin-fixed:5:s3", "plugin-fixed:5:s3+skipde"
+RESYNC_CATCHUP = "plugin-fixed:5:s3+catchup"  # the resync probe with the steps-0 draft extends deferred
 
 
 def step_name(pol: str) -> str:
@@ -105,7 +107,7 @@ def clean_step_costs(log_dirs: list[str], concurrencies: list[int]) -> list[dict
                 if r.get("clean_step_ms_med") and r["clean_lines"] >= MIN_CLEAN_WINDOWS:
                     row[pol] = {"ms": r["clean_step_ms_med"], "windows": r["clean_lines"]}
             ref = (row.get(NO_SPEC_POLICY) or {}).get("ms")
-            for pol in (DECODE_STATE, DECODE_STATE + "+lp", DECODE_STATE + SKIP_DE, TRIVIAL):
+            for pol in (DECODE_STATE, DECODE_STATE + "+lp", DECODE_STATE + SKIP_DE, DECODE_STATE_CATCHUP, TRIVIAL):
                 if ref and (row.get(pol) or {}).get("ms"):
                     row[pol]["vs_no_spec"] = round(row[pol]["ms"] / ref, 4)
             stock = (row.get(S3_STOCK_NOW) or {}).get("ms") or (row.get(S3_STOCK) or {}).get("ms")
@@ -208,7 +210,8 @@ def step_costs(runs: list[dict]) -> list[dict]:
             row["off_state_vs_no_spec"] = round(row["off_state_ms"] / row["no_spec_ms"], 4)
         if row["no_spec_ms"] and row["trivial_verify_ms"]:
             row["trivial_verify_vs_no_spec"] = round(row["trivial_verify_ms"] / row["no_spec_ms"], 4)
-        for pol, key in ((DECODE_STATE_DEG, "off_state_deg"), (DECODE_STATE_NODEG, "off_state_nodeg")):
+        for pol, key in ((DECODE_STATE_DEG, "off_state_deg"), (DECODE_STATE_NODEG, "off_state_nodeg"),
+                         (DECODE_STATE_CATCHUP, "off_state_catchup")):
             if med.get(pol):
                 row[f"{key}_ms"] = med[pol]
                 if row["no_spec_ms"]:
@@ -276,14 +279,17 @@ def build(benches: list[dict], calls: list[str], log_dirs: list[str] | None = No
             # run_bench's prefill probe: the prompts' log-probabilities against the no-spec server's
             rec["prefill_identity"] = b["prefill_identity"]
         rs = {shipped(k): v for k, v in (b.get("resync") or {}).items()}
-        if RESYNC in rs or RESYNC_SKIP in rs:
-            a, s = rs.get(RESYNC) or {}, rs.get(RESYNC_SKIP) or {}
+        if RESYNC in rs or RESYNC_SKIP in rs or RESYNC_CATCHUP in rs:
+            a, s, c = rs.get(RESYNC) or {}, rs.get(RESYNC_SKIP) or {}, rs.get(RESYNC_CATCHUP) or {}
             rec["resync"] = {"accept_before": a.get("accept_before"), "accept_after": a.get("accept_after"),
                              "accept_after_skip_control": s.get("accept_after"),
                              "accept_before_skip_control": s.get("accept_before"),
                              # the reference continued from the run's own text (run_bench.resync_probe, stage 3)
                              "accept_same_text": a.get("accept_same_text"),
                              "accept_same_text_skip_control": s.get("accept_same_text"),
+                             # the draft's steps-0 extends deferred to catch-ups (SPECCTL_DRAFT_CATCHUP)
+                             "accept_after_catchup": c.get("accept_after"),
+                             "accept_same_text_catchup": c.get("accept_same_text"),
                              "off_stretch_s": a.get("off_stretch_s"), "details": rs}
     if runs_of_identity:
         # the issue's figure: batch 1 (each prompt alone), the longest run; every run per concurrency beside it
@@ -308,6 +314,9 @@ def build(benches: list[dict], calls: list[str], log_dirs: list[str] | None = No
 def targets(rec: dict) -> dict:
     """Each of the issue's bounds with the figure it is checked on (None where the figure is missing)."""
     t = {"off_state_le_1.03x_no_spec": {str(r["concurrency"]): r.get("off_state_vs_no_spec") for r in rec["step_costs"]}}
+    if any("off_state_catchup_vs_no_spec" in r for r in rec["step_costs"]):
+        t["off_state_catchup_le_1.03x_no_spec"] = {str(r["concurrency"]): r.get("off_state_catchup_vs_no_spec")
+                                                   for r in rec["step_costs"]}
     if any("off_state_deg_vs_no_spec" in r for r in rec["step_costs"]):
         t["off_state_deg_le_1.03x_no_spec"] = {str(r["concurrency"]): r.get("off_state_deg_vs_no_spec")
                                                for r in rec["step_costs"]}
@@ -341,6 +350,8 @@ def targets(rec: dict) -> dict:
         # item 4 against the same-text reference: the shipped plugin's tail ÷ its reference (target: within
         # noise of 1), and the control's (it must fall below, or the probe cannot tell)
         t["resync_tail_vs_same_text"] = round(rs["accept_after"] / rs["accept_same_text"], 4)
+        if rs.get("accept_same_text_catchup") and rs.get("accept_after_catchup"):
+            t["resync_catchup_tail_vs_same_text"] = round(rs["accept_after_catchup"] / rs["accept_same_text_catchup"], 4)
         if rs.get("accept_same_text_skip_control") and rs.get("accept_after_skip_control"):
             t["resync_control_tail_vs_same_text"] = round(
                 rs["accept_after_skip_control"] / rs["accept_same_text_skip_control"], 4)

@@ -511,3 +511,19 @@ def test_iteration_gaps_time_one_skipped_iteration_per_config_and_batch_region()
              step(12, 0.050, 8.0, 100, rank=1)]  # another rank's step never pairs with rank 0's
     got = B.iteration_gaps(steps)
     assert got == {(0, "96-"): [1, 62.0], (3, "16-47"): [2, 37.0]}
+
+
+def test_the_catch_up_servers_have_their_own_step_cost_and_resync_columns():
+    bench = {"gpu": "NVIDIA H200", "sglang": "0.5.17", "model": "m", "draft": "d",
+             "runs": [_row("off", 16, [6.7, 6.7]), _row(O.DECODE_STATE, 16, [6.92, 6.9]),
+                      _row(O.DECODE_STATE_CATCHUP, 16, [6.78, 6.8])],
+             "phase_runs": [], "identity": {},
+             "resync": {O.RESYNC: {"accept_after": 1.67, "accept_same_text": 1.70},
+                        O.RESYNC_CATCHUP: {"accept_after": 1.66, "accept_same_text": 1.69}}}
+    rec = O.build([bench], ["call C"])
+    row = rec["step_costs"][0]
+    assert row["off_state_ms"] == 6.91 and row["off_state_catchup_ms"] == 6.79
+    assert rec["targets"]["off_state_catchup_le_1.03x_no_spec"] == {"16": round(6.79 / 6.7, 4)}
+    assert rec["resync"]["accept_after_catchup"] == 1.66
+    assert rec["targets"]["resync_catchup_tail_vs_same_text"] == round(1.66 / 1.69, 4)
+    assert O.DECODE_STATE_CATCHUP not in {r["policy"] for r in rec["sweep"]}

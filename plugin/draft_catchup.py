@@ -1,0 +1,258 @@
+"""The draft kept in sync across plain decode by one extend per K steps instead of one per step
+(SPECCTL_DRAFT_CATCHUP; off by default until the GPU has measured it).
+
+At steps 0 SGLang extends the draft by each step's one token, so that its KV and hidden state are in
+sync when speculation resumes; on the H200 testbed that extend is 2.2-2.5 % of the decode state's step
+(2026-12-03: the decode state 1.032 / 1.039x the no-spec step at c = 16 / 32, 1.010 / 1.014x without
+it). Here a steps-0 step keeps the target's hidden state and the new token of each request in a ring of
+K per request slot, and the draft is extended over what is pending in one forward: SGLang's own
+draft-extend step (_draft_extend_for_decode) with a window of K tokens per request, the pending ones
+first (the rest go to the padding slot and are never read):
+
+    AROUND EagleDraftWorker._draft_extend_for_decode   steps 0: into the ring, and SGLang's zero stubs
+                                                      for the step's draft outputs; every K-th steps-0
+                                                      step in a row the catch-up, whose outputs they are
+    BEFORE EagleDraftWorker.draft                      after any steps-0 step: the catch-up; its outputs
+                                                      replace the stubs of the requests it extended
+    AFTER  EagleDraftWorker._draft_extend_for_prefill  a prefilled request has nothing pending
+
+When to catch up is decided by counting steps alone, so every TP rank extends at the same steps; what
+is pending per request lives on the GPU (no sync). Any failure turns it off for the rest of the process
+(logged once): the steps-0 steps extend the draft one by one again, and the requests pending at that
+moment keep a draft with gaps until they finish (fewer accepted tokens, never a wrong one: the target's
+verify decides every token). Imported only inside SGLang scheduler processes.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from contextlib import contextmanager
+from types import SimpleNamespace
+from typing import Any, Callable, Iterator, Optional
+
+log = logging.getLogger("specctl.plugin")
+
+
+class DraftCatchup:
+    """The rings, what is pending, and the step count of one EAGLE worker's draft. `torch` is given so
+    that the CPU tests can run it on CPU tensors."""
+
+    def __init__(self, *, k: int, worker: Any, torch_mod: Any):
+        if k < 2:
+            raise ValueError(f"SPECCTL_DRAFT_CATCHUP needs a ring of at least 2 steps, not {k}")
+        self.k = k
+        self.torch = torch_mod
+        self.worker = worker  # EAGLEWorkerV2: its own zero stubs for skipped draft outputs
+        dw = worker._draft_worker
+        self.device = dw.device
+        self.req_to_token = dw.req_to_token_pool.req_to_token  # [pool size, max context] KV slot per position
+        pool = int(self.req_to_token.shape[0])
+        self.pending = torch_mod.zeros((pool,), dtype=torch_mod.int64, device=self.device)
+        self.tokens = torch_mod.zeros((pool, k), dtype=torch_mod.int64, device=self.device)
+        self.hidden: Any = None  # [pool, k, target hidden width], at the first steps-0 step (its width)
+        self.window = torch_mod.arange(k, dtype=torch_mod.int64, device=self.device)
+        self.since = 0  # steps-0 steps since the last catch-up: the same count on every TP rank
+        self.extend_fn: Optional[Callable[..., Any]] = None  # SGLang's _draft_extend_for_decode, unhooked
+        self.on = True
+        self.off_reason: Optional[str] = None
+        self.num_recorded = 0
+        self.num_catchups = 0
+
+    def turn_off(self, reason: str) -> None:
+        if self.on:
+            self.on = False
+            self.off_reason = reason
+            log.error("specctl: draft catch-up OFF for the rest of this process: %s; steps 0 extends the draft "
+                      "every step again (requests pending now keep a draft with gaps until they finish)", reason)
+
+    def status(self) -> dict[str, Any]:
+        return {"on": self.on, "off_reason": self.off_reason, "k": self.k, "recorded_steps": self.num_recorded,
+                "catchups": self.num_catchups}
+
+    # ------------------------------------------------------------------ per step
+
+    def around_extend(self, orig: Callable[..., Any], dw: Any, batch: Any, result: Any,
+                      args: tuple, kwargs: dict) -> Any:
+        """AROUND EagleDraftWorker._draft_extend_for_decode (the caller checked `on`)."""
+        self.extend_fn = orig
+        if dw.speculative_num_steps != 0 or batch.forward_mode.is_idle():
+            return orig(dw, batch, result, *args, **kwargs)
+        try:
+            self.record(batch, result)
+            self.since += 1
+            nd = result.next_draft_input
+            if self.since >= self.k:
+                out, _ = self.catch_up(dw, batch, end_offset=1)
+                nd.topk_p, nd.topk_index, nd.hidden_states = out.topk_p, out.topk_index, out.hidden_states
+            else:
+                self.worker._stub_skipped_draft_extend(batch, result)
+        except Exception as e:  # noqa: BLE001 - this step extends as SGLang does; the catch-up is off
+            self.turn_off(f"a steps-0 step failed: {type(e).__name__}: {e}")
+            log.exception("specctl: draft catch-up step failed")
+            return orig(dw, batch, result, *args, **kwargs)
+        return None
+
+    def before_draft(self, dw: Any, batch: Any) -> None:
+        """BEFORE EagleDraftWorker.draft: after steps-0 steps, extend what is pending before the draft
+        reads its inputs (the caller checked `on`)."""
+        if self.since == 0 or batch.forward_mode.is_idle():
+            return
+        try:
+            out, extended = self.catch_up(dw, batch, end_offset=0)
+            info = batch.spec_info
+            t = self.torch
+            m = extended[:, None]
+            for name in ("topk_p", "topk_index", "hidden_states"):
+                new, old = getattr(out, name), getattr(info, name)
+                if new.shape != old.shape or new.dtype != old.dtype:
+                    raise RuntimeError(f"draft input {name}: catch-up gave {tuple(new.shape)} {new.dtype}, the "
+                                       f"batch holds {tuple(old.shape)} {old.dtype}")
+                setattr(info, name, t.where(m, new, old))
+        except Exception as e:  # noqa: BLE001 - the draft runs on what it has (accepts less, decides nothing)
+            self.since = 0
+            self.turn_off(f"the catch-up before a draft failed: {type(e).__name__}: {e}")
+            log.exception("specctl: draft catch-up before a draft failed")
+
+    def after_prefill(self, batch: Any) -> None:
+        """AFTER EagleDraftWorker._draft_extend_for_prefill: the prefill extended the draft over the
+        prompt; a request slot taken over by a new request (or a retracted one prefilled again) has
+        nothing pending."""
+        if batch.forward_mode.is_idle():
+            return
+        try:
+            self.pending.index_fill_(0, batch.req_pool_indices.to(self.torch.int64), 0)
+        except Exception as e:  # noqa: BLE001
+            self.turn_off(f"resetting a prefilled request failed: {type(e).__name__}: {e}")
+
+    # ------------------------------------------------------------------ the ring and the window
+
+    def record(self, batch: Any, result: Any) -> None:
+        """A steps-0 step of `batch`: each request's new token and the target's hidden state at the
+        position it verified (the committed length: SGLang's draft extend would write the draft's KV
+        there, input (new token, hidden state))."""
+        t = self.torch
+        hidden = result.logits_output.hidden_states
+        if hidden is None:
+            raise RuntimeError("the steps-0 step returned no target hidden states")
+        if self.hidden is None:
+            self.hidden = t.zeros((self.tokens.shape[0], self.k, hidden.shape[-1]), dtype=hidden.dtype,
+                                  device=self.device)
+            log.info("specctl: draft catch-up ring: %d request slots x %d steps x %d hidden (%.1f MB)",
+                     self.hidden.shape[0], self.k, hidden.shape[-1],
+                     self.hidden.numel() * self.hidden.element_size() / 1e6)
+        idx = batch.req_pool_indices.to(t.int64)
+        ring = t.remainder(batch.seq_lens.to(t.int64), self.k)
+        self.hidden[idx, ring] = hidden.to(self.hidden.dtype)
+        self.tokens[idx, ring] = result.next_token_ids.to(t.int64)
+        self.pending.index_add_(0, idx, t.ones_like(idx))
+        self.num_recorded += 1
+
+    def window_of(self, batch: Any, end_offset: int) -> SimpleNamespace:
+        """Each request's pending positions [end - p, end) (end = committed length + end_offset) as a window
+        of k rows: rows < p carry the ring's token and hidden state and the position's KV slot; the rest
+        the padding slot 0 (SGLang's write target for padded rows), token 0, and are never read (attention
+        is causal within the window and the draft's outputs are taken at row p - 1)."""
+        t = self.torch
+        idx = batch.req_pool_indices.to(t.int64)
+        end = batch.seq_lens.to(t.int64) + end_offset
+        p = self.pending.index_select(0, idx)
+        start = end - p
+        pos = start[:, None] + self.window[None, :]
+        valid = self.window[None, :] < p[:, None]
+        ring = t.remainder(pos, self.k)
+        rows = idx[:, None].expand_as(pos)
+        zero = t.zeros_like(pos)
+        r2t = self.req_to_token
+        loc = r2t[rows, pos.clamp(0, r2t.shape[1] - 1)].to(t.int64)
+        return SimpleNamespace(idx=idx, start=start, pending=p, end=end,
+                               tokens=t.where(valid, self.tokens[rows, ring], zero).reshape(-1),
+                               hidden=self.hidden[rows, ring].reshape(-1, self.hidden.shape[-1]),
+                               loc=t.where(valid, loc, zero).reshape(-1))
+
+    def catch_up(self, dw: Any, batch: Any, end_offset: int) -> tuple[Any, Any]:
+        """Extend the draft over every request's pending positions in one forward of SGLang's own
+        draft-extend step, on a shallow copy of the batch (the real one goes on to the draft, or is
+        done): (the draft outputs at each request's last pending position, which requests had any)."""
+        if self.extend_fn is None:
+            raise RuntimeError("no steps-0 draft extend has been seen: nothing to catch up with")
+        if self.hidden is None:
+            raise RuntimeError("nothing recorded")
+        t = self.torch
+        w = self.window_of(batch, end_offset)
+        sub = copy.copy(batch)
+        sub.seq_lens, sub.seq_lens_cpu, sub.seq_lens_sum, sub.out_cache_loc = w.start, None, None, w.loc
+        result = SimpleNamespace(logits_output=SimpleNamespace(hidden_states=w.hidden),
+                                 accept_lens=w.pending.clamp(min=1).to(t.int32), next_token_ids=w.tokens,
+                                 next_draft_input=SimpleNamespace(draft_probs=None, dsa_topk_indices=None),
+                                 new_seq_lens=w.end, prepared_draft_extend_inputs=None)
+        with _attrs(dw, speculative_num_draft_tokens=self.k, cuda_graph_runner_for_draft_extend=None):
+            self.extend_fn(dw, sub, result)
+        self.pending.index_fill_(0, w.idx, 0)
+        self.since = 0
+        self.num_catchups += 1
+        return result.next_draft_input, w.pending > 0
+
+
+# ---------------------------------------------------------------------------- start-up
+
+
+def unsupported_reason(worker: Any, *, trees: bool, plain_reason: Optional[str]) -> Optional[str]:
+    """Why this EAGLE worker cannot defer its steps-0 draft extends, or None; from the launch alone, so
+    every TP rank answers alike. `plain_reason`: the decode state's answer for the same launch (the
+    same kinds of models and features), `trees`: tree states configured (their draft is topk-wide)."""
+    if plain_reason is not None:
+        return plain_reason
+    if trees:
+        return "tree states are configured (their draft inputs are topk wide)"
+    import os
+
+    if os.environ.get("SGLANG_SPEC_SKIP_ZERO_STEP_DRAFT_EXTEND", "").strip().lower() in ("1", "true", "yes", "on"):
+        return "SGLANG_SPEC_SKIP_ZERO_STEP_DRAFT_EXTEND is set: steps 0 extends nothing to catch up with"
+    try:
+        from sglang.srt.runtime_context import get_spec
+
+        if get_spec().speculative_use_rejection_sampling:
+            return "rejection sampling (its draft proposals are not stubbed by SGLang's skip path)"
+    except Exception:  # noqa: BLE001 - a release without the switch has no rejection sampling
+        pass
+    if getattr(getattr(worker, "server_args", None), "enable_mixed_chunk", False):
+        return "mixed chunked prefill (a decode request's pending tokens would be skipped by a mixed extend)"
+    dw = getattr(worker, "_draft_worker", None)
+    for name in ("_draft_extend_for_decode", "_draft_extend_for_prefill", "draft", "req_to_token_pool"):
+        if not hasattr(dw, name):
+            return f"the draft worker has no {name}"
+    if not hasattr(worker, "_stub_skipped_draft_extend"):
+        return "this SGLang has no _stub_skipped_draft_extend"
+    return None
+
+
+def build(worker: Any, *, k: int, trees: bool, plain_reason: Optional[str]) -> Optional[DraftCatchup]:
+    """AFTER init_cuda_graphs, every TP rank: the catch-up, or None with the reason logged once. Nothing
+    here is collective; the ring of hidden states is allocated at the first steps-0 step."""
+    why = unsupported_reason(worker, trees=trees, plain_reason=plain_reason)
+    if why is None:
+        try:
+            import torch
+
+            cu = DraftCatchup(k=k, worker=worker, torch_mod=torch)
+        except Exception as e:  # noqa: BLE001 - steps 0 extends every step, as SGLang does
+            why = f"building it failed: {type(e).__name__}: {e}"
+    if why is not None:
+        log.warning("specctl: no draft catch-up, steps 0 extends the draft every step: %s", why)
+        return None
+    log.info("specctl: draft catch-up on: steps 0 extends the draft once per %d steps (and before the first "
+             "draft after plain decode) instead of every step (SPECCTL_DRAFT_CATCHUP=off: every step)", k)
+    return cu
+
+
+@contextmanager
+def _attrs(obj: Any, **values: Any) -> Iterator[None]:
+    old = {k: getattr(obj, k) for k in values}
+    for k, v in values.items():
+        setattr(obj, k, v)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            setattr(obj, k, v)
