@@ -16,9 +16,9 @@ first (the rest go to the padding slot and are never read):
                                                       replace the stubs of the requests it extended
     AFTER  EagleDraftWorker._draft_extend_for_prefill  a prefilled request has nothing pending
 
-When to catch up is decided by counting steps alone, so every TP rank extends at the same steps; what
-is pending per request lives on the GPU (no sync). Any failure turns it off for the rest of the process
-(logged once): the steps-0 steps extend the draft one by one again, and the requests pending at that
+When to catch up is decided by counting steps alone; what is pending per request lives on the GPU (no
+sync). TP 1 only for now: a failure on one rank alone would leave the ranks extending the draft on
+different steps. Any failure turns it off for the rest of the process (logged once): the steps-0 steps extend the draft one by one again, and the requests pending at that
 moment keep a draft with gaps until they finish (fewer accepted tokens, never a wrong one: the target's
 verify decides every token). Imported only inside SGLang scheduler processes.
 """
@@ -216,7 +216,12 @@ def unsupported_reason(worker: Any, *, trees: bool, plain_reason: Optional[str])
             return "rejection sampling (its draft proposals are not stubbed by SGLang's skip path)"
     except Exception:  # noqa: BLE001 - a release without the switch has no rejection sampling
         pass
-    if getattr(getattr(worker, "server_args", None), "enable_mixed_chunk", False):
+    sa = getattr(worker, "server_args", None)
+    if int(getattr(sa, "tp_size", 1) or 1) > 1:
+        # the catch-up's draft forward is collective: a rank that turned it off alone (a failure on that rank)
+        # would extend the draft on other steps than the rest, and their collectives would never meet
+        return "tensor parallelism (a failure on one rank alone would desynchronise the draft's collectives)"
+    if getattr(sa, "enable_mixed_chunk", False):
         return "mixed chunked prefill (a decode request's pending tokens would be skipped by a mixed extend)"
     dw = getattr(worker, "_draft_worker", None)
     for name in ("_draft_extend_for_decode", "_draft_extend_for_prefill", "draft", "req_to_token_pool"):

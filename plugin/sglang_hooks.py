@@ -23,7 +23,7 @@ plugin/draft_catchup.py):
     AROUND   EagleDraftWorker._draft_extend_for_decode   steps 0: the ring, SGLang's stubs; every K-th: the catch-up
     BEFORE   EagleDraftWorker.draft                      the catch-up after steps-0 steps
     AFTER    EagleDraftWorker._draft_extend_for_prefill  nothing pending for a prefilled request
-    (built AFTER EAGLEWorkerV2.init_cuda_graphs, with the decode state)
+    (built AFTER EAGLEWorkerV2.init_cuda_graphs, with the decode state; TP 1 only)
 
 Each chain state's own draft-extend graphs (SPECCTL_DRAFT_EXTEND_GRAPHS, on by default; SGLang 0.5.17 only):
 

@@ -271,9 +271,11 @@ def test_unsupported_launches_are_named(monkeypatch, kw, env, why):
     assert (got is None) if why is None else (why in got)
 
 
-def test_mixed_chunks_and_missing_methods_are_named():
+def test_mixed_chunks_tensor_parallelism_and_missing_methods_are_named():
     assert "mixed chunked prefill" in dc.unsupported_reason(_worker(enable_mixed_chunk=True), trees=False,
                                                             plain_reason=None)
+    assert "tensor parallelism" in dc.unsupported_reason(_worker(tp_size=2), trees=False, plain_reason=None)
+    assert dc.unsupported_reason(_worker(tp_size=1), trees=False, plain_reason=None) is None
     w = _worker()
     del w._draft_worker.draft
     assert "no draft" in dc.unsupported_reason(w, trees=False, plain_reason=None)
