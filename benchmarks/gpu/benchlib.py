@@ -452,24 +452,40 @@ def summarize_requests(outs, wall):
 
 def phase_summary(outs, phases, t_first):
     """Per phase of one phase-workload run: its concurrency, the requests sent in it (errors apart), their median
-    TPOT, and output tokens/s = tokens of the requests that finished inside the phase's window / its duration
-    (the last phase's window runs to the last request: the drain)."""
+    TPOT, and two throughputs over the phase's window. `output_tokens_per_s`: the tokens the server produced inside
+    the window, each request's tokens spread evenly from its first token to its end (streamed requests: end -
+    latency + ttft), whichever phase sent it; the drain after the last phase belongs to no phase. At
+    --phase-scale 0.3 a phase lasts 3 s, about one request's life at c = 128, so counting whole requests by where
+    they end (`finished_tokens_per_s`, the figure until 2026-12-03, the last window running to the last request)
+    credits a phase with the phase before it: the c = 1 phase read 2400+ tok/s from the c = 128 phase's drain."""
     rows, t = [], t_first
     last_end = max([o.get("t_end", t_first) for o in outs] + [t_first])
+    good = [o for o in outs if "error" not in o and o.get("tokens")]
+    spans = []
+    for o in good:
+        end = o["t_end"]
+        first = end - o["latency"] + (o.get("ttft") or 0.0)
+        spans.append((min(first, end), end, o["tokens"]))
     for k, ph in enumerate(phases):
         lo, hi = t, t + ph["duration_s"]
         t = hi
         last = k == len(phases) - 1
-        if last:
-            hi = max(hi, last_end)
-        sent = [o for o in outs if o.get("phase") == k and "error" not in o and o.get("tokens")]
-        done = [o for o in outs if "error" not in o and o.get("tokens")
-                and lo <= o.get("t_end", -1) and (o["t_end"] <= hi if last else o["t_end"] < hi)]
+        fin_hi = max(hi, last_end) if last else hi
+        sent = [o for o in good if o.get("phase") == k]
+        done = [o for o in good if lo <= o.get("t_end", -1) and (o["t_end"] <= fin_hi if last else o["t_end"] < fin_hi)]
+        made = 0.0
+        for a, b, n in spans:
+            if b > a:
+                made += n * max(0.0, min(hi, b) - max(lo, a)) / (b - a)
+            elif lo <= b < hi:  # all of it at once (a one-token request)
+                made += n
         tpot = [1000.0 * (o["latency"] - (o["ttft"] or 0)) / (o["tokens"] - 1) for o in sent if o["tokens"] > 1]
         dur = hi - lo
         rows.append({"phase": k, "concurrency": ph["concurrency"], "requests": len(sent),
                      "errors": sum(1 for o in outs if o.get("phase") == k and "error" in o),
-                     "output_tokens_per_s": round(sum(o["tokens"] for o in done) / dur, 1) if dur > 0 else None,
+                     "output_tokens_per_s": round(made / dur, 1) if dur > 0 else None,
+                     "finished_tokens_per_s": round(sum(o["tokens"] for o in done) / (fin_hi - lo), 1)
+                     if fin_hi > lo else None,
                      "median_tpot_ms": None if not tpot else round(pct(tpot, 0.5), 3)})
     return rows
 

@@ -226,10 +226,28 @@ def test_phase_summary_splits_a_run_by_the_phase_each_request_was_sent_in():
             {"phase": 1, "error": "x", "t_end": t0 + 13}]
     rows = B.phase_summary(outs, phases, t0)
     assert [r["requests"] for r in rows] == [2, 2] and [r["errors"] for r in rows] == [0, 1]
-    assert rows[0]["output_tokens_per_s"] == pytest.approx(112 / 10.0)
-    assert rows[1]["output_tokens_per_s"] == pytest.approx(72 / 7.0, abs=0.05)  # window 10..17 s: the drain counts
+    # whole requests by where they end (the last window runs to the last request)
+    assert rows[0]["finished_tokens_per_s"] == pytest.approx(112 / 10.0)
+    assert rows[1]["finished_tokens_per_s"] == pytest.approx(72 / 7.0, abs=0.05)
+    # tokens by when they were made: each request's spread from its first token (end - latency + ttft) to its end;
+    # the 21-token request runs 16.1..17 s, after phase 1's window (10..15 s): the drain belongs to no phase
+    assert rows[0]["output_tokens_per_s"] == pytest.approx((101 + 11) / 10.0)
+    assert rows[1]["output_tokens_per_s"] == pytest.approx(51 / 5.0)
     assert rows[0]["median_tpot_ms"] == pytest.approx((9.0 + 200.0) / 2)  # (0.9 s / 100, 2.0 s / 10) in ms
     assert [r["concurrency"] for r in rows] == [2, 64]
+
+
+def test_phase_throughput_credits_each_phase_with_the_tokens_made_in_it():
+    """A request sent late in one phase and ending in the next adds its tokens to both, by time."""
+    phases = [{"duration_s": 4.0, "concurrency": 128}, {"duration_s": 4.0, "concurrency": 1}]
+    t0 = 0.0
+    outs = [{"phase": 0, "t_end": 5.0, "latency": 4.0, "ttft": 1.0, "tokens": 100},  # tokens made 2..5 s
+            {"phase": 1, "t_end": 7.0, "latency": 2.0, "ttft": 0.0, "tokens": 40},  # 5..7 s
+            {"phase": 1, "t_end": 6.0, "latency": 1.0, "ttft": 1.0, "tokens": 1}]  # one token at 6 s
+    rows = B.phase_summary(outs, phases, t0)
+    assert rows[0]["output_tokens_per_s"] == pytest.approx(100 * 2 / 3 / 4.0, abs=0.05)
+    assert rows[1]["output_tokens_per_s"] == pytest.approx((100 / 3 + 40 + 1) / 4.0, abs=0.05)
+    assert rows[0]["finished_tokens_per_s"] == 0.0 and rows[1]["finished_tokens_per_s"] == pytest.approx(141 / 4.0, abs=0.05)
 
 
 def test_phase_targets_compare_specctl_phase_by_phase():
