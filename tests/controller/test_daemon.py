@@ -3,6 +3,7 @@ as a subprocess for kill/restart and the CLI round trip."""
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -143,7 +144,10 @@ def test_serve_replay_show_recovers_crossover(serve, zctx, endpoints, tmp_path, 
     assert abs(got - crossover) <= 0.15 * crossover + 0.5, (got, crossover)
     text = subprocess.run(CLI + ["policy", "show", "--endpoint", endpoints["status"]],
                           capture_output=True, text=True, timeout=120).stdout
-    assert f"policy v{pol.version}" in text and "off" in text and "s3" in text
+    # the daemon keeps refitting between the two calls, so the text may show a newer version (a 2-core CI run
+    # published v6 between them, 2026-12-03), never an older one
+    shown = re.search(r"policy v(\d+)", text)
+    assert shown and int(shown.group(1)) >= pol.version and "off" in text and "s3" in text
 
 
 def test_sigkill_and_restart_keep_version_and_table(serve, zctx, endpoints, tmp_path):
