@@ -27,9 +27,10 @@ from __future__ import annotations
 
 import copy
 import logging
-from contextlib import contextmanager
 from types import SimpleNamespace
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Optional
+
+from .plain_decode import _attrs
 
 log = logging.getLogger("specctl.plugin")
 
@@ -197,17 +198,17 @@ class DraftCatchup:
 # ---------------------------------------------------------------------------- start-up
 
 
-def unsupported_reason(worker: Any, *, trees: bool, plain_reason: Optional[str]) -> Optional[str]:
+def unsupported_reason(worker: Any, *, trees: bool, plain_reason: Optional[str],
+                       skip_zero_extend: bool = False) -> Optional[str]:
     """Why this EAGLE worker cannot defer its steps-0 draft extends, or None; from the launch alone, so
     every TP rank answers alike. `plain_reason`: the decode state's answer for the same launch (the
-    same kinds of models and features), `trees`: tree states configured (their draft is topk-wide)."""
+    same kinds of models and features), `trees`: tree states configured (their draft is topk-wide),
+    `skip_zero_extend`: SGLANG_SPEC_SKIP_ZERO_STEP_DRAFT_EXTEND is set (read by the caller)."""
     if plain_reason is not None:
         return plain_reason
     if trees:
         return "tree states are configured (their draft inputs are topk wide)"
-    import os
-
-    if os.environ.get("SGLANG_SPEC_SKIP_ZERO_STEP_DRAFT_EXTEND", "").strip().lower() in ("1", "true", "yes", "on"):
+    if skip_zero_extend:
         return "SGLANG_SPEC_SKIP_ZERO_STEP_DRAFT_EXTEND is set: steps 0 extends nothing to catch up with"
     try:
         from sglang.srt.runtime_context import get_spec
@@ -232,10 +233,11 @@ def unsupported_reason(worker: Any, *, trees: bool, plain_reason: Optional[str])
     return None
 
 
-def build(worker: Any, *, k: int, trees: bool, plain_reason: Optional[str]) -> Optional[DraftCatchup]:
+def build(worker: Any, *, k: int, trees: bool, plain_reason: Optional[str],
+          skip_zero_extend: bool = False) -> Optional[DraftCatchup]:
     """AFTER init_cuda_graphs, every TP rank: the catch-up, or None with the reason logged once. Nothing
     here is collective; the ring of hidden states is allocated at the first steps-0 step."""
-    why = unsupported_reason(worker, trees=trees, plain_reason=plain_reason)
+    why = unsupported_reason(worker, trees=trees, plain_reason=plain_reason, skip_zero_extend=skip_zero_extend)
     if why is None:
         try:
             import torch
@@ -249,15 +251,3 @@ def build(worker: Any, *, k: int, trees: bool, plain_reason: Optional[str]) -> O
     log.info("specctl: draft catch-up on: steps 0 extends the draft once per %d steps (and before the first "
              "draft after plain decode) instead of every step (SPECCTL_DRAFT_CATCHUP=off: every step)", k)
     return cu
-
-
-@contextmanager
-def _attrs(obj: Any, **values: Any) -> Iterator[None]:
-    old = {k: getattr(obj, k) for k in values}
-    for k, v in values.items():
-        setattr(obj, k, v)
-    try:
-        yield
-    finally:
-        for k, v in old.items():
-            setattr(obj, k, v)

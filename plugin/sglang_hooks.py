@@ -460,7 +460,8 @@ class PluginRuntime:
             log.error("specctl: no draft catch-up: the hooks on %s are not in place", ", ".join(missing))
             return
         self.catchup = draft_catchup.build(worker, k=self.settings.draft_catchup, trees=bool(self.trees),
-                                           plain_reason=plain_decode.unsupported_reason(worker))
+                                           plain_reason=plain_decode.unsupported_reason(worker),
+                                           skip_zero_extend=_env_flag("SGLANG_SPEC_SKIP_ZERO_STEP_DRAFT_EXTEND"))
 
     # ---------------------------------------------------------------- per step
 

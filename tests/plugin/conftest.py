@@ -135,3 +135,43 @@ def _unpatch_policy_class():
             continue
         for k in names:
             setattr(mod, k, original)
+
+
+@pytest.fixture(scope="session")
+def import_sibling():
+    """`import_sibling(name)`: a module beside these tests (a CPU harness of SGLang code), imported with this
+    folder on sys.path for the import only."""
+    import importlib
+
+    def load(name: str):
+        sys.path.insert(0, str(HERE))
+        try:
+            return importlib.import_module(name)
+        finally:
+            sys.path.remove(str(HERE))
+
+    return load
+
+
+@pytest.fixture
+def standin_module():
+    """`standin_module(name)`: a fresh module in sys.modules whose classes hooks can target by dotted name; the
+    hooks registered on its targets and the module itself are gone after the test."""
+    import types
+
+    made = []
+
+    def make(name: str):
+        mod = types.ModuleType(name)
+        sys.modules[name] = mod
+        made.append(name)
+        return mod
+
+    yield make
+    from sglang.srt.plugins.hook_registry import HookRegistry
+
+    for name in made:
+        for k in [k for k in HookRegistry._hooks if k.startswith(name + ".")]:
+            HookRegistry._hooks.pop(k)
+            HookRegistry._patched.discard(k)
+        sys.modules.pop(name, None)

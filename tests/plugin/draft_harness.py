@@ -12,8 +12,6 @@ out_cache_loc names. A gap, a wrong slot or a wrong order in the draft's KV chan
 
 from __future__ import annotations
 
-import __future__
-import ast
 import contextlib
 from pathlib import Path
 from types import SimpleNamespace
@@ -23,28 +21,10 @@ import torch
 
 import sglang
 
+from sglang_source import compile_from
+
 SPEC = Path(sglang.__file__).parent / "srt" / "speculative"
 DRAFT_VOCAB = 97
-
-
-def compile_from(path: Path, ns: dict, names: list, cls: Optional[str] = None) -> dict:
-    """The named top-level definitions (or methods of `cls`) of an SGLang source file, compiled into `ns` with
-    their own line numbers; decorators dropped."""
-    tree = ast.parse(path.read_text(), filename=str(path))
-    body = tree.body if cls is None else next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == cls).body
-    found = {n.name: n for n in body if isinstance(n, ast.FunctionDef) and n.name in names}
-    missing = [n for n in names if n not in found]
-    assert not missing, f"{path.name} has no {missing} (the SGLang version changed)"
-    nodes = []
-    for n in names:
-        found[n].decorator_list = []
-        nodes.append(found[n])
-    code = compile(ast.Module(body=nodes, type_ignores=[]), str(path), "exec",
-                   flags=__future__.annotations.compiler_flag, dont_inherit=True)
-    out: dict = {}
-    exec(code, ns, out)
-    ns.update(out)
-    return out
 
 
 class Mode:

@@ -15,8 +15,6 @@ arguments) and every device-to-host read counted (V1-V4 of docs/flashinfer-spec-
 
 from __future__ import annotations
 
-import __future__
-import ast
 import enum
 import random
 from dataclasses import dataclass, field
@@ -30,6 +28,8 @@ import torch
 
 import sglang
 from sglang.srt.speculative.spec_info import SpecInput, SpecInputType
+
+from sglang_source import compile_from
 
 SRT = Path(sglang.__file__).parent / "srt"
 FI_BACKEND = SRT / "layers" / "attention" / "flashinfer_backend.py"
@@ -227,30 +227,6 @@ def kv_indices_kernel():
     from sglang.kernels.ops.attention.utils import create_flashinfer_kv_indices_triton
 
     return create_flashinfer_kv_indices_triton
-
-
-def compile_from(path: Path, ns: dict, names: list, cls: Optional[str] = None) -> dict:
-    """Compile the named top-level definitions (or methods of `cls`) of an SGLang source file into `ns`, with
-    their own line numbers; function decorators (kernel-API logging) are dropped."""
-    tree = ast.parse(path.read_text(), filename=str(path))
-    body = tree.body
-    if cls is not None:
-        body = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == cls).body
-    found = {n.name: n for n in body if isinstance(n, (ast.FunctionDef, ast.ClassDef)) and n.name in names}
-    missing = [n for n in names if n not in found]
-    assert not missing, f"{path.name} has no {missing} (the SGLang version changed)"
-    nodes = []
-    for n in names:
-        node = found[n]
-        if isinstance(node, ast.FunctionDef):
-            node.decorator_list = []
-        nodes.append(node)
-    code = compile(ast.Module(body=nodes, type_ignores=[]), str(path), "exec",
-                   flags=__future__.annotations.compiler_flag, dont_inherit=True)
-    out: dict = {}
-    exec(code, ns, out)
-    ns.update(out)
-    return out
 
 
 class Mode(enum.Enum):

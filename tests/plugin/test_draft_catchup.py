@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import logging
 import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -19,17 +18,10 @@ from specctl.plugin.engine import PluginSettings
 pytestmark = pytest.mark.sglang  # torch and SGLang's sources come with the sglang environments
 torch = pytest.importorskip("torch")
 
-HERE = Path(__file__).parent
-
 
 @pytest.fixture(scope="module")
-def H():
-    sys.path.insert(0, str(HERE))
-    try:
-        import draft_harness
-    finally:
-        sys.path.remove(str(HERE))
-    return draft_harness
+def H(import_sibling):
+    return import_sibling("draft_harness")
 
 
 def tok(r, q):
@@ -256,16 +248,13 @@ def _worker(**sa):
     return SimpleNamespace(_draft_worker=dw, _stub_skipped_draft_extend=1, server_args=SimpleNamespace(**sa))
 
 
-@pytest.mark.parametrize("kw,env,why", [
-    ({}, {}, None),
-    ({"plain_reason": "a sliding-window model"}, {}, "a sliding-window model"),
-    ({"trees": True}, {}, "tree states"),
-    ({}, {"SGLANG_SPEC_SKIP_ZERO_STEP_DRAFT_EXTEND": "1"}, "extends nothing"),
+@pytest.mark.parametrize("kw,why", [
+    ({}, None),
+    ({"plain_reason": "a sliding-window model"}, "a sliding-window model"),
+    ({"trees": True}, "tree states"),
+    ({"skip_zero_extend": True}, "extends nothing"),  # SGLANG_SPEC_SKIP_ZERO_STEP_DRAFT_EXTEND, read by the runtime
 ])
-def test_unsupported_launches_are_named(monkeypatch, kw, env, why):
-    monkeypatch.delenv("SGLANG_SPEC_SKIP_ZERO_STEP_DRAFT_EXTEND", raising=False)
-    for k, v in env.items():
-        monkeypatch.setenv(k, v)
+def test_unsupported_launches_are_named(kw, why):
     args = {"trees": False, "plain_reason": None, **kw}
     got = dc.unsupported_reason(_worker(), **args)
     assert (got is None) if why is None else (why in got)
@@ -348,17 +337,15 @@ print(json.dumps({t: [getattr(h, "__name__", "") for _, h, _ in hs] for t, hs in
                 assert (fn in hooks.get(target, [])) is present, (value, target)
 
 
-def test_the_hooks_dispatch_through_the_real_registry(H):
+def test_the_hooks_dispatch_through_the_real_registry(H, standin_module, monkeypatch):
     """The real HookRegistry wraps a stand-in draft worker whose methods are SGLang's own draft extend: steps-0
     extends go to the ring, the draft of the next speculative step finds the catch-up's inputs, and the draft's
     KV is where extending every step leaves it."""
-    import types
-
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     from specctl.plugin import sglang_hooks
 
-    mod = types.ModuleType("specctl_catchup_standin")
+    mod = standin_module("specctl_catchup_standin")
     extend = H.sglang().extend
 
     class StandinDraftWorker:
@@ -372,45 +359,36 @@ def test_the_hooks_dispatch_through_the_real_registry(H):
             return SimpleNamespace(**vars(batch.spec_info))
 
     mod.StandinDraftWorker = StandinDraftWorker
-    sys.modules[mod.__name__] = mod
-    saved_rt = sglang_hooks._RUNTIME
     names = {"_draft_extend_for_decode": (sglang_hooks._around_extend_catchup, HookType.AROUND),
              "draft": (sglang_hooks._before_draft_catchup, HookType.BEFORE),
              "_draft_extend_for_prefill": (sglang_hooks._after_prefill_catchup, HookType.AFTER)}
-    try:
-        for meth, (fn, kind) in names.items():
-            HookRegistry.register(f"{mod.__name__}.StandinDraftWorker.{meth}", fn, kind)
-        HookRegistry.apply_hooks()
-        srv, ref = H.Server(), H.Server()
-        dw = StandinDraftWorker()
-        dw.__dict__.update({k: v for k, v in vars(srv.dw).items() if not k.startswith("_draft_extend")})
-        srv.worker._draft_worker = dw
-        cu = dc.DraftCatchup(k=4, worker=srv.worker, torch_mod=torch)
-        sglang_hooks._RUNTIME = SimpleNamespace(catchup=cu)
-        for s in (srv, ref):
-            prefill(s, [1, 2], [5, 7])
-        dw._draft_extend_for_prefill(srv.batch([1, 2], [5, 7], H.ForwardMode.DRAFT_EXTEND_V2), None, None)
-        live = {1: 5, 2: 7}
-        for _ in range(6):
-            b, res = step_of(srv, live)
-            assert dw._draft_extend_for_decode(b, res) is None
-            b2, res2 = step_of(ref, live)
-            ref.dw.speculative_num_draft_tokens = 1
-            extend(ref.dw, b2, res2)
-            live = {r: n + 1 for r, n in live.items()}
-        assert cu.num_recorded == 6 and cu.num_catchups == 1 and cu.since == 2
-        dw.speculative_num_steps = 2
-        spec = srv.batch([1, 2], [live[1], live[2]], H.ForwardMode.DECODE)
-        spec.spec_info = SimpleNamespace(topk_p=torch.zeros(2, 1), topk_index=torch.zeros(2, 1, dtype=torch.int64),
-                                         hidden_states=torch.zeros(2, 3, dtype=torch.float64))
-        drafted = dw.draft(spec)
-        assert cu.num_catchups == 2 and cu.since == 0
-        assert torch.equal(srv.draft.kv[1:], ref.draft.kv[1:])
-        assert torch.equal(drafted.hidden_states, res2.next_draft_input.hidden_states)
-        assert torch.equal(drafted.topk_index, res2.next_draft_input.topk_index)
-    finally:
-        sglang_hooks._RUNTIME = saved_rt
-        for k in [k for k in HookRegistry._hooks if k.startswith(mod.__name__)]:
-            HookRegistry._hooks.pop(k)
-            HookRegistry._patched.discard(k)
-        sys.modules.pop(mod.__name__, None)
+    for meth, (fn, kind) in names.items():
+        HookRegistry.register(f"{mod.__name__}.StandinDraftWorker.{meth}", fn, kind)
+    HookRegistry.apply_hooks()
+    srv, ref = H.Server(), H.Server()
+    dw = StandinDraftWorker()
+    dw.__dict__.update({k: v for k, v in vars(srv.dw).items() if not k.startswith("_draft_extend")})
+    srv.worker._draft_worker = dw
+    cu = dc.DraftCatchup(k=4, worker=srv.worker, torch_mod=torch)
+    monkeypatch.setattr(sglang_hooks, "_RUNTIME", SimpleNamespace(catchup=cu))
+    for s in (srv, ref):
+        prefill(s, [1, 2], [5, 7])
+    dw._draft_extend_for_prefill(srv.batch([1, 2], [5, 7], H.ForwardMode.DRAFT_EXTEND_V2), None, None)
+    live = {1: 5, 2: 7}
+    for _ in range(6):
+        b, res = step_of(srv, live)
+        assert dw._draft_extend_for_decode(b, res) is None
+        b2, res2 = step_of(ref, live)
+        ref.dw.speculative_num_draft_tokens = 1
+        extend(ref.dw, b2, res2)
+        live = {r: n + 1 for r, n in live.items()}
+    assert cu.num_recorded == 6 and cu.num_catchups == 1 and cu.since == 2
+    dw.speculative_num_steps = 2
+    spec = srv.batch([1, 2], [live[1], live[2]], H.ForwardMode.DECODE)
+    spec.spec_info = SimpleNamespace(topk_p=torch.zeros(2, 1), topk_index=torch.zeros(2, 1, dtype=torch.int64),
+                                     hidden_states=torch.zeros(2, 3, dtype=torch.float64))
+    drafted = dw.draft(spec)
+    assert cu.num_catchups == 2 and cu.since == 0
+    assert torch.equal(srv.draft.kv[1:], ref.draft.kv[1:])
+    assert torch.equal(drafted.hidden_states, res2.next_draft_input.hidden_states)
+    assert torch.equal(drafted.topk_index, res2.next_draft_input.topk_index)

@@ -47,16 +47,11 @@ def _has_own_opt_in() -> bool:
 
 
 @pytest.fixture
-def fi():
+def fi(import_sibling):
     """tests/plugin/fi_harness.py, on an SGLang without its own opt-in (0.5.17)."""
     if _has_own_opt_in():
         pytest.skip("this SGLang has SGLANG_OPT_FLASHINFER_VERIFY_HOST_PLAN: the setting turns that on, no hooks")
-    sys.path.insert(0, str(HERE))
-    try:
-        import fi_harness
-    finally:
-        sys.path.remove(str(HERE))
-    return fi_harness
+    return import_sibling("fi_harness")
 
 
 def hooked(h, hp):

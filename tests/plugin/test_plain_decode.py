@@ -511,17 +511,14 @@ print(json.dumps({"plain": s.plain_decode, "hooks": sorted(HookRegistry._hooks)}
 
 
 @pytest.mark.sglang
-def test_the_hooks_dispatch_a_steps0_verify_through_the_real_registry():
+def test_the_hooks_dispatch_a_steps0_verify_through_the_real_registry(standin_module, monkeypatch):
     """The real HookRegistry wraps stand-in classes with sglang_hooks' AROUND functions: the verify
     hook and the target-forward hook together turn a steps-0 verify into a decode forward."""
-    import sys
-    import types
-
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     from specctl.plugin import sglang_hooks
 
-    mod = types.ModuleType("specctl_plain_standin")
+    mod = standin_module("specctl_plain_standin")
 
     class StandinTarget(TargetWorker):
         def forward_batch_generation(self, batch=None, forward_batch=None, is_verify=False):
@@ -533,29 +530,19 @@ def test_the_hooks_dispatch_a_steps0_verify_through_the_real_registry():
             self._target_worker = StandinTarget(lambda: None)
 
     mod.StandinWorker, mod.StandinTarget = StandinWorker, StandinTarget
-    sys.modules[mod.__name__] = mod
-    saved_rt = sglang_hooks._RUNTIME
-    try:
-        HookRegistry.register(f"{mod.__name__}.StandinWorker.verify", sglang_hooks._around_verify, HookType.AROUND)
-        HookRegistry.register(f"{mod.__name__}.StandinTarget.forward_batch_generation",
-                              sglang_hooks._around_target_forward, HookType.AROUND)
-        HookRegistry.apply_hooks()
-        assert f"{mod.__name__}.StandinWorker.verify" in HookRegistry._patched
-        rt = SimpleNamespace(plain=make_plain())
-        sglang_hooks._RUNTIME = rt
-        w = mod.StandinWorker()
-        res = w.verify(make_batch())
-        assert res._specctl_off_path == pd.DECODE
-        assert w._target_worker.calls[-1]["mode"] is DECODE and w.plans == [None]
-        w.speculative_num_steps = 2
-        res = w.verify(make_batch())
-        assert not hasattr(res, "_specctl_off_path") and w._target_worker.calls[-1]["mode"] is TARGET_VERIFY
-    finally:
-        sglang_hooks._RUNTIME = saved_rt
-        for k in [k for k in HookRegistry._hooks if k.startswith(mod.__name__)]:
-            HookRegistry._hooks.pop(k)
-            HookRegistry._patched.discard(k)
-        sys.modules.pop(mod.__name__, None)
+    HookRegistry.register(f"{mod.__name__}.StandinWorker.verify", sglang_hooks._around_verify, HookType.AROUND)
+    HookRegistry.register(f"{mod.__name__}.StandinTarget.forward_batch_generation",
+                          sglang_hooks._around_target_forward, HookType.AROUND)
+    HookRegistry.apply_hooks()
+    assert f"{mod.__name__}.StandinWorker.verify" in HookRegistry._patched
+    monkeypatch.setattr(sglang_hooks, "_RUNTIME", SimpleNamespace(plain=make_plain()))
+    w = mod.StandinWorker()
+    res = w.verify(make_batch())
+    assert res._specctl_off_path == pd.DECODE
+    assert w._target_worker.calls[-1]["mode"] is DECODE and w.plans == [None]
+    w.speculative_num_steps = 2
+    res = w.verify(make_batch())
+    assert not hasattr(res, "_specctl_off_path") and w._target_worker.calls[-1]["mode"] is TARGET_VERIFY
 
 
 @pytest.mark.sglang
