@@ -119,20 +119,20 @@ def clean_step_costs(log_dirs: list[str], concurrencies: list[int]) -> list[dict
 
 
 def read_telemetry(folder: str) -> list[dict]:
-    """The step records of a run_bench plugin server's recorded telemetry (its specctl-<policy>/telemetry/)."""
+    """The step records of a run_bench plugin server's recorded telemetry (its specctl-<policy>/telemetry/), read
+    by specctl's own reader (wire-validated, damaged gzip streams kept up to the damage), in the form
+    benchlib.iteration_gaps takes."""
     import glob
-    import gzip
+    from pathlib import Path
+
+    from specctl.training.readers import FileReport
+    from specctl.training.readers import read_telemetry as read_samples
 
     out = []
     for f in sorted(glob.glob(os.path.join(folder, "telemetry", "*.jsonl*"))):
-        with (gzip.open(f, "rt") if f.endswith(".gz") else open(f)) as fh:
-            for ln in fh:
-                try:
-                    r = json.loads(ln)
-                except ValueError:
-                    continue
-                if r.get("kind") == "step":
-                    out.append(r)
+        for s in read_samples(Path(f), FileReport(path=f)):
+            out.append({"iter": s.iter, "ts": s.ts, "step_ms": s.step_ms, "batch_size": s.batch_size,
+                        "config": {"steps": s.config[0]}, "rank": s.rank})
     return out
 
 
