@@ -67,10 +67,6 @@ class DraftCatchup:
             log.error("specctl: draft catch-up OFF for the rest of this process: %s; steps 0 extends the draft "
                       "every step again (requests pending now keep a draft with gaps until they finish)", reason)
 
-    def status(self) -> dict[str, Any]:
-        return {"on": self.on, "off_reason": self.off_reason, "k": self.k, "recorded_steps": self.num_recorded,
-                "catchups": self.num_catchups}
-
     # ------------------------------------------------------------------ per step
 
     def around_extend(self, orig: Callable[..., Any], dw: Any, batch: Any, result: Any,
