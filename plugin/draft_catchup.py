@@ -1,10 +1,13 @@
 """The draft kept in sync across plain decode by one extend per K steps instead of one per step
-(SPECCTL_DRAFT_CATCHUP; off by default until the GPU has measured it).
+(SPECCTL_DRAFT_CATCHUP; off by default: see below).
 
 At steps 0 SGLang extends the draft by each step's one token, so that its KV and hidden state are in
 sync when speculation resumes; on the H200 testbed that extend is 2.2-2.5 % of the decode state's step
 (2026-12-03: the decode state 1.032 / 1.039x the no-spec step at c = 16 / 32, 1.010 / 1.014x without
-it). Here a steps-0 step keeps the target's hidden state and the new token of each request in a ring of
+it). Measured with K = 16 (2026-12-03, second lease): the decode state 1.013 / 1.018 / 1.016x the no-spec
+step at c = 1 / 4 / 16 (1.029 / 1.034 / 1.031x without the catch-up), the draft's acceptance after a 30 s
+plain stretch 0.986 of its reference (0.973 without), greedy outputs unchanged; it stays off by default
+because the same call's throughput at c = 64 / 128 was lower with it, for a reason not found yet. Here a steps-0 step keeps the target's hidden state and the new token of each request in a ring of
 K per request slot, and the draft is extended over what is pending in one forward: SGLang's own
 draft-extend step (_draft_extend_for_decode) with a window of K tokens per request, the pending ones
 first (the rest go to the padding slot and are never read):

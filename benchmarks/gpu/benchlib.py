@@ -225,12 +225,15 @@ def max_concurrency(levels, phase_concurrencies=(), identity_c=1, resync=False):
 
 
 def server_args(maxc, mem_fraction, *, max_total_tokens=0, prefill_graph=False, request_stats=False,
-                attention_backend="triton"):
+                attention_backend="triton", radix_cache=True):
     """The SGLang flags every testbed server shares (run_bench.py, specctl_e2e.py), so that their figures compare.
     max_total_tokens caps the KV pool (servers started together on one GPU then all fit); without prefill_graph
     the prefill CUDA graphs are not captured (~50 s less start-up per server; decode graphs stay); request_stats
     has every finished request log its time in the wait queue (`ReqTimeStats` lines: request_stats());
-    attention_backend: every server's (triton, the testbed's, or flashinfer: issue 20 item 2)."""
+    attention_backend: every server's (triton, the testbed's, or flashinfer: issue 20 item 2); without radix_cache
+    (--disable-radix-cache) every prefill is the whole prompt: the testbed's closed loops send its 244 prompts
+    again and again, so with the cache a prefill is 1 new token per request in the no-spec server and 2 in an
+    EAGLE-3 one (prefill_batches), prefills no traffic of new prompts has."""
     args = ["--attention-backend", attention_backend, "--sampling-backend", "pytorch", "--grammar-backend", "none",
             "--mm-feature-transport", "cpu", "--decode-log-interval", "10", "--max-running-requests", str(maxc),
             "--cuda-graph-max-bs-decode", str(maxc), "--mem-fraction-static", str(mem_fraction),
@@ -241,6 +244,8 @@ def server_args(maxc, mem_fraction, *, max_total_tokens=0, prefill_graph=False, 
         args.append("--disable-prefill-cuda-graph")
     if request_stats:
         args.append("--enable-request-time-stats-logging")
+    if not radix_cache:
+        args.append("--disable-radix-cache")
     return args
 
 
@@ -361,21 +366,37 @@ def parse_decode_lines(text, n=None):
 
 
 R_PREFILL_NEW = re.compile(r"#new-seq: (\d+)")
+R_PREFILL_TOKENS = re.compile(r"#new-token: (\d+), #cached-token: (\d+)")
+R_PREFILL_GRAPH = re.compile(r"cuda graph: (True|False)")
 
 
 def prefill_batches(text, min_running=90):
-    """SGLang's `Prefill batch` lines at high load (#running-req >= min_running): how many, and how many new
-    requests each admits on average. 2026-12-03 (c = 128): an EAGLE-3 server held at plain decode ran 317
-    prefill batches of 1.70 requests where the no-spec server ran 256 of 1.90."""
-    new = []
+    """SGLang's `Prefill batch` lines at high load (#running-req >= min_running): how many, how many new
+    requests each admits on average, the new (uncached) prompt tokens per admitted request, the share of the
+    prompt tokens the radix cache held, and the share of those prefills that ran in SGLang's prefill CUDA graph
+    (None where the lines do not say: a server launched without one). 2026-12-03 (c = 128): an EAGLE-3 server
+    held at plain decode ran 317 prefill batches of 1.70 requests where the no-spec server ran 256 of 1.90.
+    Why the last three: with the testbed's prompts cached, a no-spec prefill is 1 new token per request and an
+    EAGLE-3 one 2 (its radix cache keys on token pairs), and SGLang 0.5.17 replays its prefill graph only where
+    padding to the smallest captured size (4) at most doubles the tokens: the EAGLE-3 server's prefills ran in
+    the graph, the no-spec server's mostly eager (2026-12-03, second lease, call M2)."""
+    new, toks, cached, graph = [], 0, 0, []
     for ln in text.splitlines():
         if "Prefill batch" not in ln:
             continue
         a, b = R_RUN.search(ln), R_PREFILL_NEW.search(ln)
         if a and b and int(a.group(1)) >= min_running:
             new.append(int(b.group(1)))
+            t, g = R_PREFILL_TOKENS.search(ln), R_PREFILL_GRAPH.search(ln)
+            if t:
+                toks, cached = toks + int(t.group(1)), cached + int(t.group(2))
+            if g:
+                graph.append(g.group(1) == "True")
     return {"min_running": min_running, "prefill_batches": len(new),
-            "new_requests_per_batch": round(st.mean(new), 3) if new else None}
+            "new_requests_per_batch": round(st.mean(new), 3) if new else None,
+            "new_tokens_per_request": round(toks / sum(new), 2) if new and sum(new) else None,
+            "cached_token_share": round(cached / (toks + cached), 4) if toks + cached else None,
+            "cuda_graph_share": round(sum(graph) / len(graph), 4) if graph else None}
 
 
 GAP_REGIONS = ((1, 15), (16, 47), (48, 95), (96, 1 << 20))

@@ -545,6 +545,9 @@ def main():
                     help="specctl: unmeasured closed-loop levels before the measurement (the daemon learns)")
     ap.add_argument("--specctl-site", default="/tmp/specctl_site")
     ap.add_argument("--prefill-graph", action="store_true", help="keep SGLang's prefill CUDA graphs (slow start)")
+    ap.add_argument("--no-radix-cache", action="store_true",
+                    help="every server with --disable-radix-cache: each prefill is the whole prompt, as with new "
+                         "prompts (with the cache the recycled prompts prefill 1-2 tokens: benchlib.server_args)")
     ap.add_argument("--request-stats", action="store_true",
                     help="every server logs each finished request's queue time (SGLang's ReqTimeStats); the bench "
                          "JSON summarises it per server (`request_stats`): how arrivals cluster, how long they wait")
@@ -565,7 +568,8 @@ def main():
                              resync=bool(a.resync))
     memf = a.mem_fraction or round(0.8 / max(1, min(a.parallel, len(policies))), 3)
     common = server_args(maxc, memf, max_total_tokens=a.max_total_tokens, prefill_graph=a.prefill_graph,
-                         request_stats=a.request_stats, attention_backend=a.attention_backend)
+                         request_stats=a.request_stats, attention_backend=a.attention_backend,
+                         radix_cache=not a.no_radix_cache)
     plugin_pols = [p for p in policies if parse_policy(p)["kind"] in ("specctl", "plugin-fixed")]
     site = SC.make_site(a.specctl_site) if plugin_pols else None
     result = {"gpu": None, "sglang": "0.5.17", "attention_backend": a.attention_backend, "model": "SmolLM2-135M-Instruct" + ("" if a.variant == "base" else f" zero-padded ({a.variant})"),

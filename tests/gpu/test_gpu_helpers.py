@@ -259,6 +259,8 @@ def test_server_args_shared_by_the_runner_and_the_checks():
     assert a[a.index("--attention-backend") + 1] == "triton"
     f = B.server_args(8, 0.2, attention_backend="flashinfer")
     assert f[f.index("--attention-backend") + 1] == "flashinfer" and f.count("--attention-backend") == 1
+    assert "--disable-radix-cache" not in a
+    assert "--disable-radix-cache" in B.server_args(8, 0.2, radix_cache=False)
 
 
 def test_identity_margins_and_deterministic_variant():

@@ -511,9 +511,22 @@ def test_prefill_batches_count_the_high_load_lines_and_their_new_requests():
             "#running-req: {r}, #queue-req: 0\n")
     text = (line.format(n=2, r=100) + line.format(n=1, r=127) + line.format(n=5, r=40)
             + "[t] Decode batch, #running-req: 128, #token: 900, gen throughput (token/s): 10.0\n")
-    assert B.prefill_batches(text) == {"min_running": 90, "prefill_batches": 2, "new_requests_per_batch": 1.5}
+    assert B.prefill_batches(text) == {"min_running": 90, "prefill_batches": 2, "new_requests_per_batch": 1.5,
+                                       "new_tokens_per_request": round(80 / 3, 2), "cached_token_share": 0.3333,
+                                       "cuda_graph_share": None}
     assert B.prefill_batches(text, min_running=30)["prefill_batches"] == 3
     assert B.prefill_batches("")["new_requests_per_batch"] is None
+
+
+def test_prefill_batches_say_which_ran_in_the_prefill_graph():
+    # 0.5.17's lines with a prefill CUDA graph (call M2 of 2026-12-03): a cached prompt's 1-token prefill
+    # eager, a 2-token one in the graph
+    line = ("[t] Prefill batch, #new-seq: {n}, #new-token: {t}, #cached-token: 300, token usage: 0.26, "
+            "#running-req: 127, #queue-req: 0, #pending-token: 0, cuda graph: {g}, input throughput (token/s): 18.13\n")
+    text = line.format(n=1, t=1, g="False") * 3 + line.format(n=2, t=4, g="True")
+    r = B.prefill_batches(text)
+    assert r["prefill_batches"] == 4 and r["cuda_graph_share"] == 0.25
+    assert r["new_tokens_per_request"] == round(7 / 5, 2) and r["cached_token_share"] == round(1200 / 1207, 4)
 
 
 def test_iteration_gaps_time_one_skipped_iteration_per_config_and_batch_region():
