@@ -341,8 +341,9 @@ def targets(rec: dict) -> dict:
     if rec.get("splitkv"):
         t["s3_splitkv_le_0.87x_stock"] = {str(r["concurrency"]): r.get("splitkv_vs_stock") for r in rec["splitkv"]}
     for r in rec.get("step_costs_clean") or []:
-        for pol, key in ((DECODE_STATE, "off_state"), (DECODE_STATE + "+lp", "off_state"), (S3_SPLITKV, "s3_splitkv")):
-            v = (r.get(pol) or {}).get("vs_no_spec" if key == "off_state" else "vs_stock")
+        for pol, key in ((DECODE_STATE, "off_state"), (DECODE_STATE + "+lp", "off_state"),
+                         (DECODE_STATE_CATCHUP, "off_state_catchup"), (S3_SPLITKV, "s3_splitkv")):
+            v = (r.get(pol) or {}).get("vs_stock" if key == "s3_splitkv" else "vs_no_spec")
             if v is not None:
                 t.setdefault(f"{key}_clean_windows", {}).setdefault(str(r["concurrency"]), []).append(v)
     rs = rec.get("resync") or {}

@@ -120,6 +120,18 @@ def test_record_has_the_issue_fields_and_checks_the_targets():
     assert t["identity"] == "16/16"
 
 
+def test_targets_read_the_clean_windows_of_the_decode_state_with_and_without_the_catchup():
+    rec = {"step_costs": [], "sweep": [], "phase_runs": [], "identity": None,
+           "step_costs_clean": [{"logs": "g0", "concurrency": 1, "off": {"ms": 6.2, "windows": 500},
+                                 O.DECODE_STATE: {"ms": 6.39, "windows": 400, "vs_no_spec": 1.0306},
+                                 O.DECODE_STATE_CATCHUP: {"ms": 6.29, "windows": 400, "vs_no_spec": 1.0145},
+                                 O.S3_SPLITKV: {"ms": 7.1, "windows": 90, "vs_stock": 0.84}}]}
+    t = O.targets(rec)
+    assert t["off_state_clean_windows"] == {"1": [1.0306]}
+    assert t["off_state_catchup_clean_windows"] == {"1": [1.0145]}
+    assert t["s3_splitkv_clean_windows"] == {"1": [0.84]}
+
+
 def test_deg_suffix_is_the_shipped_plugin_in_phase_sweep_and_resync_rows():
     """+deg is the plugin's default since 2026-12-01: specctl+deg's phase runs are specctl's, the resync servers
     named with +deg are the resync servers; the step-cost columns keep +deg and +nodeg apart."""
