@@ -232,8 +232,8 @@ def server_args(maxc, mem_fraction, *, max_total_tokens=0, prefill_graph=False, 
     has every finished request log its time in the wait queue (`ReqTimeStats` lines: request_stats());
     attention_backend: every server's (triton, the testbed's, or flashinfer: issue 20 item 2); without radix_cache
     (--disable-radix-cache) every prefill is the whole prompt: the testbed's closed loops send its 244 prompts
-    again and again, so with the cache a prefill is 1 new token per request in the no-spec server and 2 in an
-    EAGLE-3 one (prefill_batches), prefills no traffic of new prompts has."""
+    again and again, so with the cache most prefills are 1 new token per request in the no-spec server and 2 in
+    an EAGLE-3 one (prefill_batches), prefills no traffic of new prompts has."""
     args = ["--attention-backend", attention_backend, "--sampling-backend", "pytorch", "--grammar-backend", "none",
             "--mm-feature-transport", "cpu", "--decode-log-interval", "10", "--max-running-requests", str(maxc),
             "--cuda-graph-max-bs-decode", str(maxc), "--mem-fraction-static", str(mem_fraction),
@@ -376,8 +376,8 @@ def prefill_batches(text, min_running=90):
     prompt tokens the radix cache held, and the share of those prefills that ran in SGLang's prefill CUDA graph
     (None where the lines do not say: a server launched without one). 2026-12-03 (c = 128): an EAGLE-3 server
     held at plain decode ran 317 prefill batches of 1.70 requests where the no-spec server ran 256 of 1.90.
-    Why the last three: with the testbed's prompts cached, a no-spec prefill is 1 new token per request and an
-    EAGLE-3 one 2 (its radix cache keys on token pairs), and SGLang 0.5.17 replays its prefill graph only where
+    Why the last three: with the testbed's prompts cached, most no-spec prefills are 1 new token per request and
+    EAGLE-3 ones 2 (their radix cache keys on token pairs), and SGLang 0.5.17 replays its prefill graph only where
     padding to the smallest captured size (4) at most doubles the tokens: the EAGLE-3 server's prefills ran in
     the graph, the no-spec server's mostly eager (2026-12-03, second lease, call M2)."""
     new, toks, cached, graph = [], 0, 0, []
