@@ -427,12 +427,16 @@ class PluginRuntime:
 
     # ---------------------------------------------------------------- the decode state
 
+    def _not_in_place(self, targets: tuple[str, ...]) -> list[str]:
+        """Of a feature's hook targets, those not verified in place (all of them where the registry could not be read)."""
+        return [t for t in targets if self.missing_hooks is None or t in self.missing_hooks]
+
     def build_plain(self, worker: Any) -> None:
         """AFTER init_cuda_graphs (every TP rank): the decode state, or None with the reason logged."""
         from . import plain_decode
 
         self.plain = None
-        missing = [t for t in self.targets.plain_targets() if self.missing_hooks is None or t in self.missing_hooks]
+        missing = self._not_in_place(self.targets.plain_targets())
         if missing:
             # the ranks agree all the same: every rank took part in the same collective
             log.error("specctl: no decode state: the hooks on %s are not in place", ", ".join(missing))
@@ -455,7 +459,7 @@ class PluginRuntime:
         from . import draft_catchup, plain_decode
 
         self.catchup = None
-        missing = [t for t in self.targets.catchup_targets() if self.missing_hooks is None or t in self.missing_hooks]
+        missing = self._not_in_place(self.targets.catchup_targets())
         if missing:
             log.error("specctl: no draft catch-up: the hooks on %s are not in place", ", ".join(missing))
             return
