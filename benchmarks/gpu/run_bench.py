@@ -402,14 +402,17 @@ async def resync_probe(port, log_path, probes, fillers, *, probe_tokens=2400, of
             "probe_c": len(probes), "filler_c": filler_c}
 
 
-def profile_server(port, out_dir, name, c, items, steps=40, new_tokens=1024, wait_s=120.0, churn=False):
+def profile_server(port, out_dir, name, c, items, steps=40, new_tokens=1024, wait_s=120.0, churn=False, spread=0):
     """A torch profile of `steps` forward steps of one server under a closed loop at concurrency c (SGLang's
     /start_profile: CPU + GPU activities, no stacks or shapes), reduced here by trace_steps.py to
     OUT/prof-<name>-c<c>.json; the raw trace (tens of MB) is deleted. The reduction, or {"error": ...}.
     The load ignores EOS, so all c requests are still decoding when the profile starts (2026-12-01, without:
     the c=16 profiles caught batches of 5 and 6). churn: instead, a closed loop of 8c requests of new_tokens that
     end at EOS, so requests finish and arrive between steps as in the phase workload (trace_steps'
-    `prefill_windows`: what the steps around the prefills cost)."""
+    `prefill_windows`: what the steps around the prefills cost), with the run's caps spread (`spread`, as
+    --new-tokens-spread) and the profile started after about three requests' lifetimes: at one cap and 3 s in,
+    2026-12-03's profiles of two servers caught one the first cohort's arrival burst (11 prefills in 27
+    windows) and the other a calm stretch between cohorts (1 in 37), and could not be compared."""
     import glob
     import threading
 
@@ -421,7 +424,7 @@ def profile_server(port, out_dir, name, c, items, steps=40, new_tokens=1024, wai
     def load():
         while not stop.is_set():
             if churn:
-                asyncio.run(closed_loop(port, items, c, 8 * c, new_tokens))
+                asyncio.run(closed_loop(port, items, c, 8 * c, new_tokens, spread=spread))
             else:
                 asyncio.run(closed_loop(port, items, c, c, new_tokens, ignore_eos=True))
 
@@ -429,7 +432,9 @@ def profile_server(port, out_dir, name, c, items, steps=40, new_tokens=1024, wai
     th.start()
     res: dict = {"label": f"{name} c={c}"}
     try:
-        time.sleep(3.0)  # every request in its decode phase
+        # every request in its decode phase; with churn, past the first cohort (three longest lifetimes at ~12 ms
+        # a step, prefills included: 5.8 s at caps 128 +- 32)
+        time.sleep(max(3.0, 3 * 0.012 * (new_tokens + spread)) if churn else 3.0)
         http(port, "/start_profile", {"output_dir": d, "num_steps": steps, "activities": ["CPU", "GPU"],
                                       "with_stack": False, "record_shapes": False, "profile_id": f"{name}-c{c}"}, t=60)
         t0, last = time.time(), -1
@@ -792,8 +797,8 @@ def main():
                         log("deadline: no profile", spec)
                         break
                     r = profile_server(sv["port"], a.out, pol.replace(":", "_") + ("-churn" if churn else ""), int(c),
-                                       mixed, a.profile_steps, **({"new_tokens": a.new_tokens, "churn": True}
-                                                                  if churn else {}))
+                                       mixed, a.profile_steps, **({"new_tokens": a.new_tokens, "churn": True,
+                                                                     "spread": a.new_tokens_spread} if churn else {}))
                     result.setdefault("profiles", {})[spec] = r
                     log(f"profile {spec}:", json.dumps({k: r.get(k) for k in ("steps", "median", "error") if k in r}))
             if a.interleave and a.phase_first:
