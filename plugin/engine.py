@@ -70,6 +70,10 @@ class PluginSettings:
     # (SGLang 0.5.17 captures every state's at the launch width, so steps 0 / s1 / s2 extend eagerly: on the
     # H200, 2026-12-01, the decode state's step at batch 5 went from 10.7 to 6.7 ms under the profiler with it)
     draft_extend_graphs: bool = True
+    # SPECCTL_SPEC_ALLOC_LIST: the speculative decode's KV allocation reads its per-request next lengths as one
+    # host list (SGLang 0.5.17 reads them one tensor scalar at a time, 2 ATen calls per request every EAGLE
+    # decode step, on the scheduler thread; 0.5.23 reads them once itself)
+    spec_alloc_list: bool = True
     # SPECCTL_PLAIN_DECODE_FLASHINFER: the decode state on the flashinfer attention backend too (its own
     # FlashInferAttnBackend and decode graphs, as on triton); off until the GPU has checked its greedy
     # outputs and step cost there (issue "cheaper speculative steps", item 2): flashinfer launches keep
@@ -123,7 +127,8 @@ class PluginSettings:
         `SPECCTL_DECISION_LOG` (a path, `{rank}` replaced: every decision of the rank, for audits),
         `SPECCTL_PLAIN_DECODE` (`on` | `off`: speculation off as a decode forward, or SGLang's
         1-token verify), `SPECCTL_SPLITKV_VERIFY` (`on` | `off`: the split-KV verify kernel for
-        topk-1 chains on CUDA), `SPECCTL_DRAFT_EXTEND_GRAPHS` (`on` | `off`), `SPECCTL_PLAIN_DECODE_LOGPROBS`
+        topk-1 chains on CUDA), `SPECCTL_DRAFT_EXTEND_GRAPHS` (`on` | `off`), `SPECCTL_SPEC_ALLOC_LIST` (`on` |
+        `off`: the speculative KV allocation's lengths read as one list), `SPECCTL_PLAIN_DECODE_LOGPROBS`
         (`on` | `off`: steps with log-probability requests in the decode state too),
         `SPECCTL_PLAIN_DECODE_FLASHINFER` (`on` | `off`: the decode state on flashinfer too),
         `SPECCTL_FI_VERIFY_HOST_PLAN` (`off` | `on` | `check` | `check:N`: flashinfer's verify plan from host
@@ -161,6 +166,7 @@ class PluginSettings:
         kw["decision_log"] = get("DECISION_LOG")
         for name, field_, default in (("PLAIN_DECODE", "plain_decode", "on"), ("SPLITKV_VERIFY", "splitkv_verify", "on"),
                                       ("DRAFT_EXTEND_GRAPHS", "draft_extend_graphs", "on"),
+                                      ("SPEC_ALLOC_LIST", "spec_alloc_list", "on"),
                                       ("PLAIN_DECODE_LOGPROBS", "plain_decode_logprobs", "off"),
                                       ("PLAIN_DECODE_FLASHINFER", "plain_decode_flashinfer", "off")):
             v = (get(name) or default).lower()

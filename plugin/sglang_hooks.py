@@ -34,6 +34,13 @@ Each chain state's own draft-extend graphs (SPECCTL_DRAFT_EXTEND_GRAPHS, on by d
                                                   width and steps 0 / s1 / s2 extend eagerly; 0.5.23
                                                   reads the bag itself)
 
+The speculative KV allocation's lengths as one list (SPECCTL_SPEC_ALLOC_LIST, on by default; SGLang 0.5.17 only):
+
+    AROUND   eagle_utils.alloc_for_spec_decode    (the name eagle_prepare_for_decode calls) page size 1: the
+                                                  next lengths handed over as a list, so the function's last
+                                                  loop reads Python ints, not 2 ATen scalar calls per request
+                                                  (int(nxt_kv_lens_cpu[i])); 0.5.23 calls .tolist() itself
+
 The split-KV verify kernel (SPECCTL_SPLITKV_VERIFY, on by default; SGLang gates it to AMD gfx95):
 
     AFTER    TritonAttnBackend.__init__             use_verify_splitkv on every topk-1 backend on CUDA
@@ -108,6 +115,8 @@ class Targets:
     triton_init: str = "sglang.srt.layers.attention.triton_backend.TritonAttnBackend.__init__"
     # each chain state's own draft-extend graphs only (0.5.17)
     draft_width: str = "sglang.srt.speculative.spec_utils.resolve_num_tokens_per_req"
+    # the speculative KV allocation's lengths as one list (0.5.17)
+    spec_alloc: str = "sglang.srt.speculative.eagle_utils.alloc_for_spec_decode"
     # steps 0 without the overlap scheduler (int32 bonus tokens)
     trivial_verify: str = "sglang.srt.speculative.eagle_worker_v2.EAGLEWorkerV2._build_trivial_verify_input"
     # the sync-free flashinfer verify plan only (0.5.17)
@@ -399,6 +408,9 @@ class PluginRuntime:
         if self.settings.draft_extend_graphs and _draft_width_needed():
             consequence[self.targets.draft_width] = ("every state's draft-extend graph keeps the launch width: "
                                                      "steps 0 / s1 / s2 extend eagerly")
+        if self.settings.spec_alloc_list and _spec_alloc_reads_scalars():
+            consequence[self.targets.spec_alloc] = ("the speculative KV allocation reads each request's length as a "
+                                                    "tensor scalar (2 ATen calls per request per step)")
         if self.fi_plan is not None:
             consequence.update({t: "flashinfer verify plans keep plan()'s blocking device-to-host reads"
                                 for t in self.targets.fi_plan_targets()})
@@ -725,6 +737,12 @@ def install(settings: PluginSettings, *, targets: Targets = SGLANG_TARGETS,
         else:
             log.info("specctl: SPECCTL_DRAFT_EXTEND_GRAPHS=on: this SGLang sizes each state's draft-extend graph "
                      "from the state's own width already; nothing to do")
+    if settings.spec_alloc_list:
+        if _spec_alloc_reads_scalars():
+            HookRegistry.register(targets.spec_alloc, _around_spec_alloc, HookType.AROUND)
+        else:
+            log.info("specctl: SPECCTL_SPEC_ALLOC_LIST=on: this SGLang reads the speculative KV allocation's "
+                     "lengths as one list already; nothing to do")
     if settings.fi_verify_host_plan != "off":
         if _sglang_verify_host_plan() is not None:
             _use_sglang_verify_host_plan(settings.fi_verify_host_plan)
@@ -850,6 +868,63 @@ def _around_draft_width(orig: Callable[..., Any], *args: Any, **kwargs: Any) -> 
         else:
             log.warning("specctl: %s", msg)
     return own
+
+
+@functools.lru_cache(maxsize=1)
+def _spec_alloc_reads_scalars() -> bool:
+    """Whether this SGLang's alloc_for_spec_decode reads its next lengths one tensor scalar at a time
+    (0.5.17: `int(nxt_kv_lens_cpu[i])` in a loop over the requests; 0.5.23 calls .tolist() once) and, at
+    page size 1, nowhere else: every other read of nxt_kv_lens_cpu sits in the paged branch (the `else`
+    of its `if ... page_size == 1`), which the hook leaves the tensor. Read from the source, as
+    _draft_width_needed is; any other shape of the function: False (no hook)."""
+    import ast
+    import importlib.util
+
+    try:
+        spec = importlib.util.find_spec("sglang.srt.mem_cache.allocation")
+        if spec is None or not spec.origin:
+            return False
+        with open(spec.origin, encoding="utf-8") as f:
+            tree = ast.parse(f.read())
+        fn = next((n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "alloc_for_spec_decode"),
+                  None)
+        if fn is None:
+            return False
+        name = "nxt_kv_lens_cpu"
+        reads = {id(n) for n in ast.walk(fn) if isinstance(n, ast.Name) and n.id == name}
+        scalar = {id(n.value) for n in ast.walk(fn) if isinstance(n, ast.Subscript)
+                  and isinstance(n.value, ast.Name) and n.value.id == name}
+        paged: set[int] = set()
+        for n in ast.walk(fn):
+            if isinstance(n, ast.If) and "page_size" in ast.unparse(n.test) and "== 1" in ast.unparse(n.test):
+                paged |= {id(m) for part in n.orelse for m in ast.walk(part)}
+                if any(isinstance(m, ast.Name) and m.id == name for part in n.body for m in ast.walk(part)):
+                    return False
+        return bool(scalar) and reads <= scalar | paged
+    except Exception:  # noqa: BLE001 - an SGLang without it: nothing to fix
+        return False
+
+
+def _around_spec_alloc(orig: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """AROUND eagle_utils.alloc_for_spec_decode (0.5.17): at page size 1 the function reads
+    nxt_kv_lens_cpu only in its last loop, `req.kv.kv_allocated_len = max(..., int(nxt_kv_lens_cpu[i]))`,
+    so the same values as a list of ints give the same lengths without two ATen calls per request.
+    Paged allocators (page size > 1) hand the tensor to the allocator: unchanged. Any problem: the call
+    as SGLang made it."""
+    nxt = kwargs.get("nxt_kv_lens_cpu")
+    try:
+        tree_cache = args[0] if args else kwargs["tree_cache"]
+        if nxt is not None and hasattr(nxt, "tolist") and tree_cache.token_to_kv_pool_allocator.page_size == 1:
+            kwargs = dict(kwargs, nxt_kv_lens_cpu=nxt.tolist())
+    except Exception as e:  # noqa: BLE001
+        rt = _RUNTIME
+        msg = f"speculative KV allocation hook error ({type(e).__name__}: {e}); SGLang's loop stands"
+        if rt is not None:
+            rt.warn_once(msg)
+        else:
+            log.warning("specctl: %s", msg)
+        kwargs = dict(kwargs, nxt_kv_lens_cpu=nxt)
+    return orig(*args, **kwargs)
 
 
 SGLANG_VERIFY_HOST_PLAN = "SGLANG_OPT_FLASHINFER_VERIFY_HOST_PLAN"

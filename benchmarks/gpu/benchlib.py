@@ -29,6 +29,8 @@ FI_HOST_PLAN = "+fihost"  # plugin policy suffix: SPECCTL_FI_VERIFY_HOST_PLAN=ch
 #                           values, compared with plan()'s for its first 32 plans; a mismatch logs and turns it off)
 CATCHUP = "+catchup"  # plugin policy suffix: SPECCTL_DRAFT_CATCHUP=on (steps 0 extends the draft once per 16 steps-0 steps
 #                       and before the next draft, not every step: plugin/draft_catchup.py)
+SCALAR_ALLOC = "+scalaralloc"  # plugin policy suffix: SPECCTL_SPEC_ALLOC_LIST=off (0.5.17's speculative KV allocation reads
+#                               each request's length as a tensor scalar: the control of the plugin's default)
 # a plugin policy's suffix -> (parse_policy's field, its value, the plugin's switch, its setting, why a plugin)
 PLUGIN_SWITCHES = {
     VERIFY_OFF: ("plain_decode", False, "SPECCTL_PLAIN_DECODE", "off", "it turns the plugin's decode state off"),
@@ -45,6 +47,8 @@ PLUGIN_SWITCHES = {
     FI_HOST_PLAN: ("fi_verify_host_plan", True, "SPECCTL_FI_VERIFY_HOST_PLAN", "check",
                    "it plans flashinfer's verify from host values"),
     CATCHUP: ("draft_catchup", True, "SPECCTL_DRAFT_CATCHUP", "on", "it defers the steps-0 draft extends"),
+    SCALAR_ALLOC: ("spec_alloc_list", False, "SPECCTL_SPEC_ALLOC_LIST", "off",
+                   "the plugin hands SGLang's speculative KV allocation its lengths as a list"),
 }
 
 
@@ -68,7 +72,8 @@ def parse_policy(pol):
     (its steps-0 state no longer extends the draft; an upshift then drafts from stale state); a plugin policy
     in +verify (SPECCTL_PLAIN_DECODE=off), +deg (SPECCTL_DRAFT_EXTEND_GRAPHS=on, the default) and +nodeg
     (SPECCTL_DRAFT_EXTEND_GRAPHS=off), +splitkv (SPECCTL_SPLITKV_VERIFY=on, the default) and +stockverify
-    (off), +lp (SPECCTL_PLAIN_DECODE_LOGPROBS=on), +fi (SPECCTL_PLAIN_DECODE_FLASHINFER=on), in any order
+    (off), +lp (SPECCTL_PLAIN_DECODE_LOGPROBS=on), +fi (SPECCTL_PLAIN_DECODE_FLASHINFER=on), +catchup
+    (SPECCTL_DRAFT_CATCHUP=on), +scalaralloc (SPECCTL_SPEC_ALLOC_LIST=off), in any order
     (PLUGIN_SWITCHES). Any policy may end in +nooverlap (--disable-overlap-schedule) and +eager
     (--disable-cuda-graph): SERVER_FLAGS."""
     base, suffixes = pol, set()
@@ -418,6 +423,26 @@ def iteration_gaps(steps, max_gap_ms=1000.0):
         region = next(f"{lo}-{hi if hi < 1 << 20 else ''}" for lo, hi in GAP_REGIONS if lo <= a["batch_size"] <= hi)
         by.setdefault((int(a["config"]["steps"]), region), []).append(gap)
     return {k: [len(v), round(st.median(v), 2)] for k, v in sorted(by.items())}
+
+
+def steps_after_prefill(steps):
+    """From the plugin's step telemetry (as iteration_gaps takes it): the step's own time (step_ms: its CUDA
+    events, the worker's host work before the target launch included when the GPU waited for it) of a decode
+    step right after another decode step (the iteration before it was that step) and of one right after
+    exactly one other iteration (a prefill), per configuration and batch region: {(steps, "lo-hi"):
+    {"after_step": [n, median ms], "after_prefill": [n, median ms]}}. After a prefill the GPU has run dry, so
+    what the worker does on the host before its first launch shows in the second (2026-12-03: 10.84 against
+    9.55 ms for the decode state at batch >= 120)."""
+    steps = sorted((s for s in steps if s.get("iter") is not None), key=lambda s: (s.get("rank", 0), s["iter"]))
+    by: dict = {}
+    for a, b in zip(steps, steps[1:]):
+        d = b["iter"] - a["iter"]
+        if d not in (1, 2) or a.get("rank", 0) != b.get("rank", 0) or not b.get("step_ms"):
+            continue
+        region = next(f"{lo}-{hi if hi < 1 << 20 else ''}" for lo, hi in GAP_REGIONS if lo <= b["batch_size"] <= hi)
+        by.setdefault((int(b["config"]["steps"]), region), {}).setdefault(
+            "after_step" if d == 1 else "after_prefill", []).append(float(b["step_ms"]))
+    return {k: {w: [len(v), round(st.median(v), 2)] for w, v in sorted(ws.items())} for k, ws in sorted(by.items())}
 
 
 def pct(xs, q):

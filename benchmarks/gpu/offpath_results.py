@@ -32,7 +32,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from benchlib import (iteration_gaps, logit_report, parse_decode_lines, parse_policy, path_profiles,  # noqa: E402
-                      prefill_batches)
+                      prefill_batches, steps_after_prefill)
 
 NO_SPEC_POLICY, DECODE_STATE, TRIVIAL = "off", "plugin-fixed:1:s3", "plugin-fixed:1:s3+verify"
 SKIP_DE = "+skipde"  # the decode state without the steps-0 draft extend (SGLANG_SPEC_SKIP_ZERO_STEP_DRAFT_EXTEND=1)
@@ -139,8 +139,10 @@ def read_telemetry(folder: str) -> list[dict]:
 def prefill_iterations(log_dirs: list[str]) -> list[dict]:
     """Per call: each server's prefill batches at high load (benchlib.prefill_batches over its log) and, for
     the plugin's servers, the wall time one prefill iteration takes between two decode steps, per configuration
-    and batch region (benchlib.iteration_gaps over the recorded telemetry). Where a whole-iteration loss at
-    c >= 64 comes from: more prefill iterations, dearer ones, or neither."""
+    and batch region (benchlib.iteration_gaps over the recorded telemetry), and the step's own time right after
+    another step and right after a prefill (benchlib.steps_after_prefill: the worker's host work the GPU waits
+    for there). Where a whole-iteration loss at c >= 64 comes from: more prefill iterations, dearer ones, dearer
+    steps after them, or neither."""
     out = []
     for d in log_dirs:
         row: dict = {"logs": d, "servers": {}}
@@ -149,10 +151,15 @@ def prefill_iterations(log_dirs: list[str]) -> list[dict]:
                 row["servers"].setdefault(log_policy(f), {})["prefill"] = prefill_batches(
                     open(os.path.join(d, f), errors="replace").read())
             elif f.startswith("specctl-") and os.path.isdir(os.path.join(d, f)):
-                gaps = iteration_gaps(read_telemetry(os.path.join(d, f)))
+                tel = read_telemetry(os.path.join(d, f))
+                gaps = iteration_gaps(tel)
                 if gaps:
                     row["servers"].setdefault(log_policy(f), {})["one_iteration_gap_ms"] = {
                         f"s{k[0]} b{k[1]}": v for k, v in gaps.items()}
+                after = steps_after_prefill(tel)
+                if after:
+                    row["servers"].setdefault(log_policy(f), {})["step_ms_after"] = {
+                        f"s{k[0]} b{k[1]}": v for k, v in after.items()}
         out.append(row)
     return out
 

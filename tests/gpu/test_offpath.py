@@ -556,6 +556,21 @@ def test_iteration_gaps_time_one_skipped_iteration_per_config_and_batch_region()
     assert got == {(0, "96-"): [1, 62.0], (3, "16-47"): [2, 37.0]}
 
 
+def test_steps_after_a_prefill_are_told_from_steps_after_a_step():
+    def step(it, ms, bs, steps=0, rank=0):
+        return {"iter": it, "ts": it / 100, "step_ms": ms, "batch_size": bs, "config": {"steps": steps}, "rank": rank}
+
+    steps = [step(10, 9.5, 128), step(11, 9.6, 128), step(12, 9.4, 128),  # two steps after a step
+             step(14, 10.8, 128),  # after one other iteration (a prefill)
+             step(15, 9.5, 127), step(17, 11.0, 127),  # after a step; after a prefill
+             step(20, 30.0, 128),  # after two other iterations: neither
+             step(21, 9.0, 20, steps=3), step(23, 12.0, 20, steps=3),  # s3 at batch 20 (the first after a step)
+             step(13, 50.0, 128, rank=1)]  # another rank's step never pairs with rank 0's
+    got = B.steps_after_prefill(steps)
+    assert got == {(0, "96-"): {"after_prefill": [2, 10.9], "after_step": [3, 9.5]},
+                   (3, "16-47"): {"after_prefill": [1, 12.0], "after_step": [1, 9.0]}}
+
+
 def test_the_catch_up_servers_have_their_own_step_cost_and_resync_columns():
     bench = {"gpu": "NVIDIA H200", "sglang": "0.5.17", "model": "m", "draft": "d",
              "runs": [_row("off", 16, [6.7, 6.7]), _row(O.DECODE_STATE, 16, [6.92, 6.9]),
