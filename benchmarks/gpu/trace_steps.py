@@ -120,9 +120,12 @@ def reduce_events(events: list[dict], label: str = "") -> dict[str, Any]:
                        gpu_ops=len(ops))
             for g in ops:
                 by_kernel[g["name"][:90]] += g["dur"]
+        row_ann: collections.Counter = collections.Counter()
         for e in ann_s:
             if c0 <= e["ts"] < c1:
-                by_ann[e["name"][:60]] += e["dur"]
+                row_ann[e["name"][:60]] += e["dur"]
+        by_ann.update(row_ann)
+        row["ann"] = row_ann
         for e in cpu_ops:
             if c0 <= e["ts"] < c1:
                 by_op[e["name"][:60]] += e["dur"]
@@ -141,6 +144,10 @@ def reduce_events(events: list[dict], label: str = "") -> dict[str, Any]:
     res["median"] = {k: _med([r[k] for r in rows if k in r]) for k in keys}
     res["batch_sizes"] = dict(collections.Counter(r["bs"] for r in rows))
     res["cpu_annotations_ms_per_step"] = {k: round(v / 1000.0 / n, 4) for k, v in by_ann.most_common(12)}
+    # the same per window, as medians: one outlier window (a first-use compile, a GC pass) moves the means above
+    # by its whole length / n (2026-12-03: one 127.7 ms window of 16 put ~7 ms a step into two annotations)
+    res["cpu_annotations_ms_median"] = {k: round(_med([r["ann"].get(k, 0) for r in rows]) / 1000.0, 4)
+                                        for k, _ in by_ann.most_common(12)}
     res["cpu_ops_ms_per_step"] = {k: round(v / 1000.0 / n, 4) for k, v in by_op.most_common(15)}
     res["gpu_kernels_ms_per_step"] = {k: round(v / 1000.0 / n, 4) for k, v in by_kernel.most_common(12)}
     res["per_step_gpu_window_ms"] = [round(r.get("gpu_window_ms", 0.0), 3) for r in rows]

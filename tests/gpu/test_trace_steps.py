@@ -51,12 +51,27 @@ def test_a_known_trace_reduces_to_its_figures():
     assert m["sync_ms"] == pytest.approx(1.0)  # 2 ms in step 0, none in step 1
     assert m["kernel_launches"] == 1.5 and m["graph_launches"] == 0.5 and m["gpu_ops"] == 2
     assert r["cpu_annotations_ms_per_step"] == {"scheduler.run_batch": 3.5}
+    assert r["cpu_annotations_ms_median"] == {"scheduler.run_batch": 3.5}
     assert r["cpu_ops_ms_per_step"] == {"aten::to": 0.35}
     assert r["gpu_kernels_ms_per_step"]["attn"] == pytest.approx(3.5)
     assert r["batch_sizes"] == {4: 2} and r["per_step_gpu_window_ms"] == [10.0, 10.0]
     # the window holding the prefill (20 -> 30 ms) is one of three between the four steps: 10 of 30 ms
     assert r["prefill_windows"] == {"n": 1, "cpu_window_ms_median": 10.0, "share_of_wall": pytest.approx(1 / 3, abs=1e-4),
                                     "wall_ms": 30.0}
+
+
+def test_one_outlier_window_moves_the_annotation_means_not_the_medians():
+    ev = []
+    for k in range(5):
+        t = k * 10000
+        ev.append(_x("user_annotation", "step[DECODE bs=4]", t, 1000))
+        ev += [_x("cuda_runtime", "cudaLaunchKernel", t + 100, 5, k), _gpu("attn", t + 500, 3000, k)]
+        if k < 4:  # windows 0..3: run_batch 3 ms, except 100 ms in window 2 (a first-use compile, a GC pass)
+            ev.append(_x("user_annotation", "scheduler.run_batch", t + 50, 100000 if k == 2 else 3000))
+    r = T.reduce_events(ev)
+    assert r["steps"] == 4
+    assert r["cpu_annotations_ms_per_step"] == {"scheduler.run_batch": 27.25}
+    assert r["cpu_annotations_ms_median"] == {"scheduler.run_batch": 3.0}
 
 
 def test_overlapping_gpu_ops_count_once():
