@@ -6,8 +6,10 @@ sync when speculation resumes; on the H200 testbed that extend is 2.2-2.5 % of t
 (2026-12-03: the decode state 1.032 / 1.039x the no-spec step at c = 16 / 32, 1.010 / 1.014x without
 it). Measured with K = 16 (2026-12-03, second lease): the decode state 1.013 / 1.018 / 1.016x the no-spec
 step at c = 1 / 4 / 16 (1.029 / 1.034 / 1.031x without the catch-up), the draft's acceptance after a 30 s
-plain stretch 0.986 of its reference (0.973 without), greedy outputs unchanged; it stays off by default
-because the same call's throughput at c = 64 / 128 was lower with it, for a reason not found yet. Here a steps-0 step keeps the target's hidden state and the new token of each request in a ring of
+plain stretch 0.986 of its reference (0.973 without), greedy outputs unchanged; third lease (every prefill
+the whole prompt): 1.014-1.018x at c = 16, 1.024x at c = 128. It stays off by default because its server's
+throughput at c = 64 was below the shipped decode state's in each of three calls (0.79 / 0.89 / 0.975x), for a
+reason not found yet. Here a steps-0 step keeps the target's hidden state and the new token of each request in a ring of
 K per request slot, and the draft is extended over what is pending in one forward: SGLang's own
 draft-extend step (_draft_extend_for_decode) with a window of K tokens per request, the pending ones
 first (the rest go to the padding slot and are never read):

@@ -92,8 +92,8 @@ class PluginSettings:
     # SPECCTL_DRAFT_CATCHUP: steps 0 defers the draft's 1-token extends and extends the draft over what is
     # pending once per this many steps-0 steps and before the first draft after plain decode
     # (plugin/draft_catchup.py); 0 = off, SGLang's extend every step (the default: measured on the H200 it
-    # takes the decode state to 1.013-1.018x the no-spec step at c <= 16, but its c = 64 / 128 throughput was
-    # lower in that call, unexplained)
+    # takes the decode state to 1.013-1.018x the no-spec step at c <= 16 and 1.024x at c = 128, but its c = 64
+    # throughput was below the shipped decode state's in three calls of three, unexplained)
     draft_catchup: int = 0
 
     def __post_init__(self) -> None:
