@@ -6,6 +6,7 @@ usage: tp_plain_rank.py RANK WORLD PORT FAIL_RANK OUTDIR   (FAIL_RANK -1: no ran
 """
 
 import json
+import os
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -47,3 +48,8 @@ import torch.distributed as dist  # noqa: E402
 
 dist.barrier(group=tp.cpu_group)  # neither rank leaves the group while the other still uses it
 (outdir / f"plain-rank{rank}.json").write_text(json.dumps({"rank": rank, "built": rt.plain is not None}))
+# Leave without the interpreter's teardown: the group's gloo and message-queue threads are still joinable then,
+# and their C++ destructors can abort ("terminate called without an active exception": seen once in
+# `.ci/run` on 2026-12-03) after everything this rank had to say is written
+sys.stdout.flush()
+os._exit(0)
