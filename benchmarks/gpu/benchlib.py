@@ -432,7 +432,7 @@ def steps_after_prefill(steps):
     exactly one other iteration (a prefill), per configuration and batch region: {(steps, "lo-hi"):
     {"after_step": [n, median ms], "after_prefill": [n, median ms]}}. After a prefill the GPU has run dry, so
     what the worker does on the host before its first launch shows in the second (2026-12-03, third lease: the
-    decode state at batch >= 96 10.47-10.89 against 9.35-9.41 ms)."""
+    decode state at batch >= 96 10.81-10.89 against 9.41-9.52 ms)."""
     steps = sorted((s for s in steps if s.get("iter") is not None), key=lambda s: (s.get("rank", 0), s["iter"]))
     by: dict = {}
     for a, b in zip(steps, steps[1:]):

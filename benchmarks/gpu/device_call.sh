@@ -58,6 +58,9 @@ case $step in
     need_site; draft_tok; P0=$1; P1=$2; shift 2
     for g in 0 1; do
       pols=$P0; [ $g = 1 ] && pols=$P1; [ "$pols" = - ] && continue
+      # a host can keep $OUT between leases: 2026-12-03's third lease found the second's server logs and
+      # telemetry in g0 and packed them with its own (same server names, other runs)
+      rm -rf $OUT/g$g
       CUDA_VISIBLE_DEVICES=$g PYTHONPATH=/tmp/site timeout ${BENCH_TIMEOUT:-560} python3 benchmarks/gpu/run_bench.py --draft $M/draft \
         --out $OUT/g$g --port0 $((31000 + 1000 * g)) --policies $pols "$@" > $OUT/g$g.log 2>&1 &
     done
