@@ -731,18 +731,18 @@ def install(settings: PluginSettings, *, targets: Targets = SGLANG_TARGETS,
     HookRegistry.register(targets.trivial_verify, _after_trivial_verify_input, HookType.AFTER)
     if settings.splitkv_verify:
         HookRegistry.register(targets.triton_init, _after_triton_init, HookType.AFTER)
-    if settings.draft_extend_graphs:
-        if _draft_width_needed():
-            HookRegistry.register(targets.draft_width, _around_draft_width, HookType.AROUND)
-        else:
-            log.info("specctl: SPECCTL_DRAFT_EXTEND_GRAPHS=on: this SGLang sizes each state's draft-extend graph "
-                     "from the state's own width already; nothing to do")
-    if settings.spec_alloc_list:
-        if _spec_alloc_reads_scalars():
-            HookRegistry.register(targets.spec_alloc, _around_spec_alloc, HookType.AROUND)
-        else:
-            log.info("specctl: SPECCTL_SPEC_ALLOC_LIST=on: this SGLang reads the speculative KV allocation's "
-                     "lengths as one list already; nothing to do")
+    # fixes of what one SGLang release does and another does itself: registered where the source needs them
+    for on, needed, target, hook, already in (
+            (settings.draft_extend_graphs, _draft_width_needed, targets.draft_width, _around_draft_width,
+             "SPECCTL_DRAFT_EXTEND_GRAPHS=on: this SGLang sizes each state's draft-extend graph from the state's own "
+             "width already"),
+            (settings.spec_alloc_list, _spec_alloc_reads_scalars, targets.spec_alloc, _around_spec_alloc,
+             "SPECCTL_SPEC_ALLOC_LIST=on: this SGLang reads the speculative KV allocation's lengths as one list "
+             "already")):
+        if on and needed():
+            HookRegistry.register(target, hook, HookType.AROUND)
+        elif on:
+            log.info("specctl: %s; nothing to do", already)
     if settings.fi_verify_host_plan != "off":
         if _sglang_verify_host_plan() is not None:
             _use_sglang_verify_host_plan(settings.fi_verify_host_plan)
@@ -821,27 +821,30 @@ def _after_triton_init(ret: Any, backend: Any, *args: Any, **kwargs: Any) -> Non
     return None
 
 
-@functools.lru_cache(maxsize=1)
-def _draft_width_needed() -> bool:
-    """Whether this SGLang reads the draft-extend capture width from the startup ServerArgs (0.5.17:
-    resolve_num_tokens_per_req takes server_args); 0.5.23 reads it from the spec bag itself. Read
-    from the source, not imported: the plugin loads before SGLang's speculative modules do."""
+def _sglang_function(module: str, name: str) -> Any:
+    """The ast.FunctionDef of a top-level function in the installed SGLang's source, or None (no such module,
+    function or file). Read, not imported: the plugin loads before SGLang's speculative modules do, and the
+    answers decide which hooks to register."""
     import ast
     import importlib.util
 
     try:
-        spec = importlib.util.find_spec("sglang.srt.speculative.spec_utils")
+        spec = importlib.util.find_spec(module)
         if spec is None or not spec.origin:
-            return False
+            return None
         with open(spec.origin, encoding="utf-8") as f:
             tree = ast.parse(f.read())
-        for node in tree.body:
-            if isinstance(node, ast.FunctionDef) and node.name == "resolve_num_tokens_per_req":
-                a = node.args
-                return any(x.arg == "server_args" for x in a.args + a.kwonlyargs)
     except Exception:  # noqa: BLE001 - an SGLang without it: nothing to fix
-        return False
-    return False
+        return None
+    return next((n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == name), None)
+
+
+@functools.lru_cache(maxsize=1)
+def _draft_width_needed() -> bool:
+    """Whether this SGLang reads the draft-extend capture width from the startup ServerArgs (0.5.17:
+    resolve_num_tokens_per_req takes server_args); 0.5.23 reads it from the spec bag itself."""
+    fn = _sglang_function("sglang.srt.speculative.spec_utils", "resolve_num_tokens_per_req")
+    return fn is not None and any(x.arg == "server_args" for x in fn.args.args + fn.args.kwonlyargs)
 
 
 def _around_draft_width(orig: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -875,34 +878,24 @@ def _spec_alloc_reads_scalars() -> bool:
     """Whether this SGLang's alloc_for_spec_decode reads its next lengths one tensor scalar at a time
     (0.5.17: `int(nxt_kv_lens_cpu[i])` in a loop over the requests; 0.5.23 calls .tolist() once) and, at
     page size 1, nowhere else: every other read of nxt_kv_lens_cpu sits in the paged branch (the `else`
-    of its `if ... page_size == 1`), which the hook leaves the tensor. Read from the source, as
-    _draft_width_needed is; any other shape of the function: False (no hook)."""
+    of its `if ... page_size == 1`), which the hook leaves the tensor. Any other shape of the function:
+    False (no hook)."""
     import ast
-    import importlib.util
 
-    try:
-        spec = importlib.util.find_spec("sglang.srt.mem_cache.allocation")
-        if spec is None or not spec.origin:
-            return False
-        with open(spec.origin, encoding="utf-8") as f:
-            tree = ast.parse(f.read())
-        fn = next((n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "alloc_for_spec_decode"),
-                  None)
-        if fn is None:
-            return False
-        name = "nxt_kv_lens_cpu"
-        reads = {id(n) for n in ast.walk(fn) if isinstance(n, ast.Name) and n.id == name}
-        scalar = {id(n.value) for n in ast.walk(fn) if isinstance(n, ast.Subscript)
-                  and isinstance(n.value, ast.Name) and n.value.id == name}
-        paged: set[int] = set()
-        for n in ast.walk(fn):
-            if isinstance(n, ast.If) and "page_size" in ast.unparse(n.test) and "== 1" in ast.unparse(n.test):
-                paged |= {id(m) for part in n.orelse for m in ast.walk(part)}
-                if any(isinstance(m, ast.Name) and m.id == name for part in n.body for m in ast.walk(part)):
-                    return False
-        return bool(scalar) and reads <= scalar | paged
-    except Exception:  # noqa: BLE001 - an SGLang without it: nothing to fix
+    fn = _sglang_function("sglang.srt.mem_cache.allocation", "alloc_for_spec_decode")
+    if fn is None:
         return False
+    name = "nxt_kv_lens_cpu"
+    reads = {id(n) for n in ast.walk(fn) if isinstance(n, ast.Name) and n.id == name}
+    scalar = {id(n.value) for n in ast.walk(fn) if isinstance(n, ast.Subscript)
+              and isinstance(n.value, ast.Name) and n.value.id == name}
+    paged: set[int] = set()
+    for n in ast.walk(fn):
+        if isinstance(n, ast.If) and "page_size" in ast.unparse(n.test) and "== 1" in ast.unparse(n.test):
+            paged |= {id(m) for part in n.orelse for m in ast.walk(part)}
+            if any(isinstance(m, ast.Name) and m.id == name for part in n.body for m in ast.walk(part)):
+                return False
+    return bool(scalar) and reads <= scalar | paged
 
 
 def _around_spec_alloc(orig: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
