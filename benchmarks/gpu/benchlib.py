@@ -407,21 +407,29 @@ def prefill_batches(text, min_running=90):
 GAP_REGIONS = ((1, 15), (16, 47), (48, 95), (96, 1 << 20))
 
 
+def _gap_region(batch_size):
+    return next(f"{lo}-{hi if hi < 1 << 20 else ''}" for lo, hi in GAP_REGIONS if lo <= batch_size <= hi)
+
+
+def _step_pairs(steps):
+    """Consecutive step records of one rank, in iteration order: (a, b, iterations from a to b)."""
+    steps = sorted((s for s in steps if s.get("iter") is not None), key=lambda s: (s.get("rank", 0), s["iter"]))
+    return ((a, b, b["iter"] - a["iter"]) for a, b in zip(steps, steps[1:]) if a.get("rank", 0) == b.get("rank", 0))
+
+
 def iteration_gaps(steps, max_gap_ms=1000.0):
     """From the plugin's step telemetry (dicts with iter, ts, step_ms, batch_size, config.steps): the wall time
     that ONE other scheduler iteration (a prefill) takes between two decode steps — launch to launch less the
     first step's own forward, where exactly one iteration number was skipped — per configuration of the step
     before it and batch region: {(steps, "lo-hi"): [n, median ms]}. Longer gaps (an idle server) are left out."""
-    steps = sorted((s for s in steps if s.get("iter") is not None), key=lambda s: (s.get("rank", 0), s["iter"]))
     by: dict = {}
-    for a, b in zip(steps, steps[1:]):
-        if b["iter"] - a["iter"] != 2 or a.get("rank", 0) != b.get("rank", 0):
+    for a, b, d in _step_pairs(steps):
+        if d != 2:
             continue
         gap = 1000.0 * (b["ts"] - a["ts"]) - float(a["step_ms"])
         if not 0.0 < gap + float(a["step_ms"]) <= max_gap_ms:
             continue
-        region = next(f"{lo}-{hi if hi < 1 << 20 else ''}" for lo, hi in GAP_REGIONS if lo <= a["batch_size"] <= hi)
-        by.setdefault((int(a["config"]["steps"]), region), []).append(gap)
+        by.setdefault((int(a["config"]["steps"]), _gap_region(a["batch_size"])), []).append(gap)
     return {k: [len(v), round(st.median(v), 2)] for k, v in sorted(by.items())}
 
 
@@ -433,14 +441,11 @@ def steps_after_prefill(steps):
     {"after_step": [n, median ms], "after_prefill": [n, median ms]}}. After a prefill the GPU has run dry, so
     what the worker does on the host before its first launch shows in the second (2026-12-03, third lease: the
     decode state at batch >= 96 10.81-10.89 against 9.41-9.52 ms)."""
-    steps = sorted((s for s in steps if s.get("iter") is not None), key=lambda s: (s.get("rank", 0), s["iter"]))
     by: dict = {}
-    for a, b in zip(steps, steps[1:]):
-        d = b["iter"] - a["iter"]
-        if d not in (1, 2) or a.get("rank", 0) != b.get("rank", 0) or not b.get("step_ms"):
+    for _, b, d in _step_pairs(steps):
+        if d not in (1, 2) or not b.get("step_ms"):
             continue
-        region = next(f"{lo}-{hi if hi < 1 << 20 else ''}" for lo, hi in GAP_REGIONS if lo <= b["batch_size"] <= hi)
-        by.setdefault((int(b["config"]["steps"]), region), {}).setdefault(
+        by.setdefault((int(b["config"]["steps"]), _gap_region(b["batch_size"])), {}).setdefault(
             "after_step" if d == 1 else "after_prefill", []).append(float(b["step_ms"]))
     return {k: {w: [len(v), round(st.median(v), 2)] for w, v in sorted(ws.items())} for k, ws in sorted(by.items())}
 

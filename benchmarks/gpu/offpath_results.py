@@ -152,14 +152,11 @@ def prefill_iterations(log_dirs: list[str]) -> list[dict]:
                     open(os.path.join(d, f), errors="replace").read())
             elif f.startswith("specctl-") and os.path.isdir(os.path.join(d, f)):
                 tel = read_telemetry(os.path.join(d, f))
-                gaps = iteration_gaps(tel)
-                if gaps:
-                    row["servers"].setdefault(log_policy(f), {})["one_iteration_gap_ms"] = {
-                        f"s{k[0]} b{k[1]}": v for k, v in gaps.items()}
-                after = steps_after_prefill(tel)
-                if after:
-                    row["servers"].setdefault(log_policy(f), {})["step_ms_after"] = {
-                        f"s{k[0]} b{k[1]}": v for k, v in after.items()}
+                for field, by in (("one_iteration_gap_ms", iteration_gaps(tel)),
+                                  ("step_ms_after", steps_after_prefill(tel))):
+                    if by:
+                        row["servers"].setdefault(log_policy(f), {})[field] = {
+                            f"s{k[0]} b{k[1]}": v for k, v in by.items()}
         out.append(row)
     return out
 
