@@ -908,8 +908,8 @@ def _around_spec_alloc(orig: Callable[..., Any], *args: Any, **kwargs: Any) -> A
     try:
         tree_cache = args[0] if args else kwargs["tree_cache"]
         if nxt is not None and hasattr(nxt, "tolist") and tree_cache.token_to_kv_pool_allocator.page_size == 1:
-            kwargs = dict(kwargs, nxt_kv_lens_cpu=nxt.tolist())
-    except Exception as e:  # noqa: BLE001 - kwargs are replaced last: SGLang's own arguments stand
+            kwargs["nxt_kv_lens_cpu"] = nxt.tolist()  # this call's own kwargs dict
+    except Exception as e:  # noqa: BLE001 - the list is stored last: SGLang's own arguments stand
         rt = _RUNTIME
         msg = f"speculative KV allocation hook error ({type(e).__name__}: {e}); SGLang's loop stands"
         if rt is not None:

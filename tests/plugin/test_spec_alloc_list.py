@@ -6,7 +6,6 @@ transformers, which the CPU environments lack), its collaborators recorded."""
 
 from __future__ import annotations
 
-import __future__
 import ast
 import importlib.util
 import json
@@ -15,6 +14,7 @@ import random
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -30,15 +30,10 @@ def test_settings_read_the_switch():
         PluginSettings.from_env({"SPECCTL_SPEC_ALLOC_LIST": "sometimes"})
 
 
-def _installed_alloc_for_spec_decode(calls: list):
-    """sglang.srt.mem_cache.allocation.alloc_for_spec_decode as the installed SGLang writes it, compiled alone;
-    the functions it calls record their arguments."""
-    origin = importlib.util.find_spec("sglang.srt.mem_cache.allocation").origin
-    with open(origin, encoding="utf-8") as f:
-        tree = ast.parse(f.read())
-    fn = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "alloc_for_spec_decode")
-    code = compile(ast.Module(body=[fn], type_ignores=[]), origin, "exec",
-                   flags=__future__.annotations.compiler_flag, dont_inherit=True)
+def _installed_alloc_for_spec_decode(calls: list, compile_from):
+    """sglang.srt.mem_cache.allocation.alloc_for_spec_decode as the installed SGLang writes it (compiled from its
+    source: tests/plugin/sglang_source.py); the functions it calls record their arguments."""
+    import sglang
 
     def record(name):
         def f(*a, **k):
@@ -46,12 +41,11 @@ def _installed_alloc_for_spec_decode(calls: list):
             return f"{name}-out"
         return f
 
-    ns = {"Optional": None, "alloc_token_slots": record("alloc_token_slots"),
-          "assign_req_to_token_pool_func": record("assign"), "get_last_loc": record("get_last_loc"),
-          "ALLOC_EXTEND_FUNCS": {"cpu": record("alloc_extend")}, "_device_type": lambda b: "cpu",
-          "evict_from_tree_cache": record("evict")}
-    exec(code, ns)  # noqa: S102 - SGLang's own function, from its installed source
-    return ns["alloc_for_spec_decode"]
+    ns = {"alloc_token_slots": record("alloc_token_slots"), "assign_req_to_token_pool_func": record("assign"),
+          "get_last_loc": record("get_last_loc"), "ALLOC_EXTEND_FUNCS": {"cpu": record("alloc_extend")},
+          "_device_type": lambda b: "cpu", "evict_from_tree_cache": record("evict")}
+    path = Path(sglang.__file__).parent / "srt" / "mem_cache" / "allocation.py"
+    return compile_from(path, ns, ["alloc_for_spec_decode"])["alloc_for_spec_decode"]
 
 
 def _call(fn, torch, *, page_size, lens, needed, seed=0):
@@ -67,7 +61,7 @@ def _call(fn, torch, *, page_size, lens, needed, seed=0):
 
 @pytest.mark.sglang
 @pytest.mark.parametrize("page_size, needed", [(1, 0), (1, 37), (4, 64)])
-def test_the_lengths_come_out_the_same(page_size, needed):
+def test_the_lengths_come_out_the_same(page_size, needed, import_sibling):
     """Through the hook or not, SGLang's function leaves every request the same allocated length and calls
     its allocator and req_to_token writer with the same arguments."""
     import sglang
@@ -81,7 +75,9 @@ def test_the_lengths_come_out_the_same(page_size, needed):
     for bs in (1, 3, 128):
         lens = [rnd.randint(0, 500) for _ in range(bs)]
         plain, hooked = [], []
-        fn_plain, fn_hooked = _installed_alloc_for_spec_decode(plain), _installed_alloc_for_spec_decode(hooked)
+        compile_from = import_sibling("sglang_source").compile_from
+        fn_plain = _installed_alloc_for_spec_decode(plain, compile_from)
+        fn_hooked = _installed_alloc_for_spec_decode(hooked, compile_from)
         want = _call(fn_plain, torch, page_size=page_size, lens=lens, needed=needed, seed=bs)
         got = _call(lambda *a, **k: sglang_hooks._around_spec_alloc(fn_hooked, *a, **k), torch,
                     page_size=page_size, lens=lens, needed=needed, seed=bs)
