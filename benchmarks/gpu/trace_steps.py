@@ -13,7 +13,10 @@ A step is the span from one target forward's `step[DECODE bs=N]` / `step[TARGET_
     and per CPU op name; the GPU's top kernels.
 Steps whose window holds a prefill (an EXTEND annotation) are left out of the medians; `prefill_windows` says
 what they cost: how many, their median wall, and their share of the profiled wall (where a server under churn —
-requests ending and arriving, as in the phase workload — spends its time outside plain decode steps).
+requests ending and arriving, as in the phase workload — spends its time outside plain decode steps), and per
+window (`rows`: one decode step and the prefill iteration after it) the prefill's extend spans — `[bs, tokens]`
+each: the target's, then in an EAGLE server the draft's over the same prompts — with the GPU time of the work each
+launched, and the window's GPU busy and idle time: what a prefill iteration costs each server, part by part.
 """
 from __future__ import annotations
 
@@ -27,6 +30,7 @@ import statistics as st
 from typing import Any
 
 STEP_RE = re.compile(r"^step\[(\w+)(?: bs=(\d+))?")
+TOKS_RE = re.compile(r"toks=(\d+)")
 TARGET_MODES = ("DECODE", "TARGET_VERIFY")
 GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
 RUNTIME_CATS = ("cuda_runtime", "cuda_driver")
@@ -79,11 +83,21 @@ def reduce_events(events: list[dict], label: str = "") -> dict[str, Any]:
     rt = sorted((e for e in X if e.get("cat") in RUNTIME_CATS and tkey(e) == sched), key=lambda e: e["ts"])
     rt_ts = [e["ts"] for e in rt]
     gpu = sorted((e for e in X if e.get("cat") in GPU_CATS), key=lambda e: e["ts"])
-    gpu_by_corr = {}
+    gpu_by_corr: dict = {}
+    ops_by_corr: dict = collections.defaultdict(list)  # a graph launch's kernels share its correlation id
     for g in gpu:
         cid = (g.get("args") or {}).get("correlation")
         if cid is not None:
             gpu_by_corr.setdefault(cid, g)
+            ops_by_corr[cid].append(g)
+    ext_spans = sorted((e for e in steps if tkey(e) == sched and STEP_RE.match(e["name"]).group(1) == "EXTEND"),
+                       key=lambda e: e["ts"])
+
+    def launched_gpu_ms(span: dict) -> float:
+        """GPU busy time of everything launched from inside a CPU span (kernels of replayed graphs included)."""
+        a, b = bisect.bisect_left(rt_ts, span["ts"]), bisect.bisect_right(rt_ts, span["ts"] + span["dur"])
+        ops = [g for e in rt[a:b] for g in ops_by_corr.get((e.get("args") or {}).get("correlation"), ())]
+        return _union_ms([(g["ts"], g["ts"] + g["dur"]) for g in ops])
     # the GPU anchor of each target forward: the first GPU op launched from inside its span
     anchors = []
     for s in target:
@@ -94,7 +108,7 @@ def reduce_events(events: list[dict], label: str = "") -> dict[str, Any]:
     gpu_ts = [g["ts"] for g in gpu]
     ann_s = [e for e in ann if tkey(e) == sched and not STEP_RE.match(e["name"])]
     cpu_ops = [e for e in X if e.get("cat") == "cpu_op" and tkey(e) == sched]
-    rows, skipped, pre_ms = [], 0, []
+    rows, skipped, pre_ms, pre_rows = [], 0, [], []
     by_ann: collections.Counter = collections.Counter()
     by_op: collections.Counter = collections.Counter()
     by_kernel: collections.Counter = collections.Counter()
@@ -103,6 +117,21 @@ def reduce_events(events: list[dict], label: str = "") -> dict[str, Any]:
         if bisect.bisect_right(extend, c1) - bisect.bisect_left(extend, c0):
             skipped += 1
             pre_ms.append((c1 - c0) / 1000.0)
+            spans = [e for e in ext_spans if c0 <= e["ts"] < c1]
+            pr: dict[str, Any] = {
+                "decode_bs": int(STEP_RE.match(target[k]["name"]).group(2) or 0),
+                "extends": [[int(STEP_RE.match(e["name"]).group(2) or 0),
+                             int(m.group(1)) if (m := TOKS_RE.search(e["name"])) else None] for e in spans],
+                "extend_gpu_ms": [round(launched_gpu_ms(e), 4) for e in spans],
+                "extend_cpu_ms": [round(e["dur"] / 1000.0, 4) for e in spans],
+                "cpu_window_ms": round((c1 - c0) / 1000.0, 4)}
+            g0, g1 = anchors[k], anchors[k + 1]
+            if g0 is not None and g1 is not None and g1 > g0:
+                i, j = bisect.bisect_left(gpu_ts, g0), bisect.bisect_left(gpu_ts, g1)
+                busy = _union_ms([(g["ts"], min(g["ts"] + g["dur"], g1)) for g in gpu[i:j]])
+                pr.update(gpu_window_ms=round((g1 - g0) / 1000.0, 4), gpu_busy_ms=round(busy, 4),
+                          gpu_idle_ms=round((g1 - g0) / 1000.0 - busy, 4))
+            pre_rows.append(pr)
             continue
         row: dict[str, Any] = {"bs": int(STEP_RE.match(target[k]["name"]).group(2) or 0), "cpu_window_ms": (c1 - c0) / 1000.0}
         a, b = bisect.bisect_left(rt_ts, c0), bisect.bisect_left(rt_ts, c1)
@@ -136,6 +165,19 @@ def reduce_events(events: list[dict], label: str = "") -> dict[str, Any]:
     res["prefill_windows"] = {"n": skipped, "cpu_window_ms_median": _med(pre_ms),
                               "share_of_wall": round(sum(pre_ms) / wall, 4) if wall > 0 else None,
                               "wall_ms": round(wall, 3)}
+    if pre_rows:
+        pw = res["prefill_windows"]
+        for key in ("gpu_window_ms", "gpu_busy_ms", "gpu_idle_ms"):
+            pw[key + "_median"] = _med([r[key] for r in pre_rows if key in r])
+        # the first extend span of a window is the target's prefill, a second one the draft's over the same prompts
+        for i, who in ((0, "target"), (1, "draft")):
+            got = [r for r in pre_rows if len(r["extends"]) > i]
+            if got:
+                pw[f"{who}_extend_gpu_ms_median"] = _med([r["extend_gpu_ms"][i] for r in got])
+                pw[f"{who}_extend_cpu_ms_median"] = _med([r["extend_cpu_ms"][i] for r in got])
+        toks = [r["extends"][0][1] for r in pre_rows if r["extends"] and r["extends"][0][1]]
+        pw["prefill_tokens_median"] = _med(toks)
+        pw["rows"] = pre_rows
     if not n:
         res["error"] = "no step without a prefill"
         return res

@@ -37,6 +37,10 @@ def _trace():
            _x("user_annotation", "scheduler.run_batch", 10050, 3000),
            _x("cuda_runtime", "cudaLaunchKernel", 20100, 5, 5), _gpu("attn", 20500, 1000, 5),
            _x("user_annotation", "step[EXTEND bs=1 toks=100]", 25000, 500),
+           _x("cuda_runtime", "cudaGraphLaunch", 25100, 5, 7), _gpu("prefill_a", 25200, 2000, 7),
+           _gpu("prefill_b", 27000, 1000, 7),  # one graph: two kernels, overlapping by 0.2 ms
+           _x("user_annotation", "step[EXTEND bs=1 toks=100]", 26000, 300),  # the draft's extend
+           _x("cuda_runtime", "cudaLaunchKernel", 26100, 5, 8), _gpu("draft", 28500, 500, 8),
            _x("cuda_runtime", "cudaLaunchKernel", 30100, 5, 6), _gpu("attn", 30500, 1000, 6),
            _x("user_annotation", "step[DECODE bs=4]", 40000, 100, where={"pid": 1, "tid": 8})]  # another thread
     return ev
@@ -56,8 +60,17 @@ def test_a_known_trace_reduces_to_its_figures():
     assert r["gpu_kernels_ms_per_step"]["attn"] == pytest.approx(3.5)
     assert r["batch_sizes"] == {4: 2} and r["per_step_gpu_window_ms"] == [10.0, 10.0]
     # the window holding the prefill (20 -> 30 ms) is one of three between the four steps: 10 of 30 ms
-    assert r["prefill_windows"] == {"n": 1, "cpu_window_ms_median": 10.0, "share_of_wall": pytest.approx(1 / 3, abs=1e-4),
-                                    "wall_ms": 30.0}
+    pw = r["prefill_windows"]
+    assert {k: pw[k] for k in ("n", "cpu_window_ms_median", "wall_ms")} == {"n": 1, "cpu_window_ms_median": 10.0,
+                                                                          "wall_ms": 30.0}
+    assert pw["share_of_wall"] == pytest.approx(1 / 3, abs=1e-4)
+    # that window: decode step 2's attn (20.5-21.5 ms), the target's prefill graph (25.2-28.0) and the draft's
+    # extend (28.5-29.0) up to step 3's first GPU op at 30.5: busy 1 + 2.8 + 0.5 of 10 ms
+    assert pw["rows"] == [{"decode_bs": 4, "extends": [[1, 100], [1, 100]], "extend_gpu_ms": [2.8, 0.5],
+                           "extend_cpu_ms": [0.5, 0.3], "cpu_window_ms": 10.0, "gpu_window_ms": 10.0,
+                           "gpu_busy_ms": 4.3, "gpu_idle_ms": 5.7}]
+    assert pw["target_extend_gpu_ms_median"] == 2.8 and pw["draft_extend_gpu_ms_median"] == 0.5
+    assert pw["gpu_busy_ms_median"] == 4.3 and pw["prefill_tokens_median"] == 100
 
 
 def test_one_outlier_window_moves_the_annotation_means_not_the_medians():
