@@ -519,7 +519,7 @@ def main():
     ap.add_argument("--resync", default="", help="comma list of policies (threshold:5-like, speculating at c=4, "
                                                  "off at c=64) to run resync_probe on, before anything else")
     ap.add_argument("--profile", default="", help="comma list of POLICY@C: a torch profile of that server at "
-                                                 "concurrency C after its warm-up, reduced by trace_steps.py (all C "
+                                                 "concurrency C after its measurements (a profiled server stays slower), reduced by trace_steps.py (all C "
                                                  "requests decoding); POLICY@C:churn: requests of --new-tokens ending "
                                                  "at EOS and arriving between steps, as in the phase workload")
     ap.add_argument("--profile-steps", type=int, default=40, help="forward steps per profile")
@@ -560,6 +560,8 @@ def main():
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
     deadline = T0 + a.deadline_s
+    # the measurements stop early enough for the profiles, which come after them (profiles_of): ~40 s each
+    measure_end = deadline - 45 * len([x for x in a.profile.split(",") if x])
     tok = P.tokenizer_for(a.tokenizer or a.model)
     mtb, he = P.load_benchmark_sets(a.model, a.prompts, tok=tok)
     mixed = [x for pair in zip(mtb, he) for x in pair] + he[len(mtb):]
@@ -728,7 +730,7 @@ def main():
     def phase(sv):
         pol = sv["policy"]
         phases = [dict(p, duration_s=p["duration_s"] * a.phase_scale) for p in phase_set]
-        if not a.phase or time.time() > deadline - 20 - sum(p["duration_s"] for p in phases):
+        if not a.phase or time.time() > measure_end - 20 - sum(p["duration_s"] for p in phases):
             return
         off = os.path.getsize(sv["log"])
         outs, wall, t_first = asyncio.run(phase_loop(sv["port"], pools, phases, a.new_tokens,
@@ -756,6 +758,24 @@ def main():
                     open(sv["log"], errors="replace").read(), cap=None if a.new_tokens_spread else a.new_tokens)
             except OSError as e:
                 result["servers"][sv["policy"]]["request_stats"] = {"error": str(e)}
+
+    def profiles_of(servers):
+        """The --profile specs of these servers, AFTER their measurements: a torch profile leaves its server slower
+        for the rest of its life (Kineto does not finalise CUPTI when a profile stops, pytorch#144455; 2026-12-03
+        fourth lease, call K: each profiled server 10-25 % below its unprofiled runs at c = 64 / 128), so nothing a
+        profiled server measures afterwards is comparable."""
+        for spec in (x for x in a.profile.split(",") if x):
+            pol, c = spec.rsplit("@", 1)
+            c, churn = (c[:-len(":churn")], True) if c.endswith(":churn") else (c, False)
+            for sv in (sv for sv in servers if sv["policy"] == pol and not sv.get("retired")):
+                if time.time() > deadline - 40:
+                    log("deadline: no profile", spec)
+                    break
+                r = profile_server(sv["port"], a.out, pol.replace(":", "_") + ("-churn" if churn else ""), int(c),
+                                   mixed, a.profile_steps, **({"new_tokens": a.new_tokens, "churn": True,
+                                                                 "spread": a.new_tokens_spread} if churn else {}))
+                result.setdefault("profiles", {})[spec] = r
+                log(f"profile {spec}:", json.dumps({k: r.get(k) for k in ("steps", "median", "error") if k in r}))
 
     while todo:
         group = []  # launch a group, wait until all of it is up (others idle with --sleep-on-idle while one runs)
@@ -789,18 +809,6 @@ def main():
             for sv in [sv for sv in live if sv["policy"] in a.resync.split(",")]:  # probed only: gone
                 retire(sv)
             live = [sv for sv in live if not sv.get("retired")]
-            for spec in (x for x in a.profile.split(",") if x):
-                pol, c = spec.rsplit("@", 1)
-                c, churn = (c[:-len(":churn")], True) if c.endswith(":churn") else (c, False)
-                for sv in (sv for sv in live if sv["policy"] == pol):
-                    if time.time() > deadline - 150:
-                        log("deadline: no profile", spec)
-                        break
-                    r = profile_server(sv["port"], a.out, pol.replace(":", "_") + ("-churn" if churn else ""), int(c),
-                                       mixed, a.profile_steps, **({"new_tokens": a.new_tokens, "churn": True,
-                                                                     "spread": a.new_tokens_spread} if churn else {}))
-                    result.setdefault("profiles", {})[spec] = r
-                    log(f"profile {spec}:", json.dumps({k: r.get(k) for k in ("steps", "median", "error") if k in r}))
             if a.interleave and a.phase_first:
                 phase_rounds(live)
             if a.interleave:
@@ -809,7 +817,7 @@ def main():
                 reps = {(sv["policy"], c): [] for sv in live for c in levels}
                 for rep in range(a.repeats):
                     for i, c in enumerate(levels):
-                        if time.time() > deadline - 20:
+                        if time.time() > measure_end - 20:
                             break
                         k = (rep * len(levels) + i) % max(1, len(live))
                         for sv in live[k:] + live[:k]:
@@ -820,15 +828,17 @@ def main():
                             add_row(sv["policy"], c, reps[(sv["policy"], c)])
                 if not a.phase_first:
                     phase_rounds(live)
+                profiles_of(live)
             else:
                 for sv in live:
                     for c in levels:
-                        if time.time() > deadline - 20:
+                        if time.time() > measure_end - 20:
                             log("deadline: stop sweep", sv["policy"])
                             break
                         add_row(sv["policy"], c, [measure(sv, c) for _ in range(a.repeats)])
                     for _ in range(a.phase_repeats):
                         phase(sv)
+                    profiles_of([sv])
                     retire(sv)
                     time.sleep(2)
         finally:

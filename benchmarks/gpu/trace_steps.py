@@ -66,6 +66,34 @@ def load(path: str) -> list[dict]:
     return tr["traceEvents"] if isinstance(tr, dict) else tr
 
 
+def summarize_prefill_rows(pre_rows: list[dict]) -> dict[str, Any]:
+    """Medians over a profile's prefill windows (`prefill_windows.rows`): the window's GPU time, and per prefill
+    the target's and (EAGLE) the draft's extend."""
+    pw: dict[str, Any] = {}
+    for key in ("gpu_window_ms", "gpu_busy_ms", "gpu_idle_ms"):
+        pw[key + "_median"] = _med([r[key] for r in pre_rows if key in r])
+    # in an EAGLE server each prefill is two extend spans over the same [bs, tokens]: the target's, then the
+    # draft's; in a no-spec server two spans in a window are two prefills
+    tgt_gpu, tgt_cpu, dr_gpu, dr_cpu = [], [], [], []
+    for r in pre_rows:
+        ex, i = r["extends"], 0
+        while i < len(ex):
+            tgt_gpu.append(r["extend_gpu_ms"][i])
+            tgt_cpu.append(r["extend_cpu_ms"][i])
+            if i + 1 < len(ex) and ex[i + 1] == ex[i]:
+                dr_gpu.append(r["extend_gpu_ms"][i + 1])
+                dr_cpu.append(r["extend_cpu_ms"][i + 1])
+                i += 1
+            i += 1
+    pw.update(target_extend_gpu_ms_median=_med(tgt_gpu), target_extend_cpu_ms_median=_med(tgt_cpu))
+    if dr_gpu:
+        pw.update(draft_extend_gpu_ms_median=_med(dr_gpu), draft_extend_cpu_ms_median=_med(dr_cpu))
+    toks = [r["extends"][0][1] for r in pre_rows if r["extends"] and r["extends"][0][1]]
+    pw["prefill_tokens_median"] = _med(toks)  # of each window's first prefill
+    pw["rows"] = pre_rows
+    return pw
+
+
 def reduce_events(events: list[dict], label: str = "") -> dict[str, Any]:
     X = [e for e in events if e.get("ph") == "X" and "ts" in e and "dur" in e]
     tkey = lambda e: (e.get("pid"), e.get("tid"))  # noqa: E731
@@ -166,18 +194,7 @@ def reduce_events(events: list[dict], label: str = "") -> dict[str, Any]:
                               "share_of_wall": round(sum(pre_ms) / wall, 4) if wall > 0 else None,
                               "wall_ms": round(wall, 3)}
     if pre_rows:
-        pw = res["prefill_windows"]
-        for key in ("gpu_window_ms", "gpu_busy_ms", "gpu_idle_ms"):
-            pw[key + "_median"] = _med([r[key] for r in pre_rows if key in r])
-        # the first extend span of a window is the target's prefill, a second one the draft's over the same prompts
-        for i, who in ((0, "target"), (1, "draft")):
-            got = [r for r in pre_rows if len(r["extends"]) > i]
-            if got:
-                pw[f"{who}_extend_gpu_ms_median"] = _med([r["extend_gpu_ms"][i] for r in got])
-                pw[f"{who}_extend_cpu_ms_median"] = _med([r["extend_cpu_ms"][i] for r in got])
-        toks = [r["extends"][0][1] for r in pre_rows if r["extends"] and r["extends"][0][1]]
-        pw["prefill_tokens_median"] = _med(toks)
-        pw["rows"] = pre_rows
+        res["prefill_windows"].update(summarize_prefill_rows(pre_rows))
     if not n:
         res["error"] = "no step without a prefill"
         return res

@@ -98,3 +98,18 @@ def test_a_trace_without_target_steps_says_so(tmp_path):
         json.dump({"traceEvents": [_x("user_annotation", "step[EXTEND bs=1 toks=5]", 0, 10)]}, f)
     r = T.reduce_events(T.load(str(p)))
     assert "error" in r and r["step_spans"] == {"step[EXTEND bs=1]": 1}  # spans are counted by mode and batch
+
+
+def test_two_prefills_of_a_no_spec_server_are_two_targets_not_a_target_and_a_draft():
+    ev = []
+    for k, t in enumerate((0, 10000, 40000)):
+        ev += [_x("user_annotation", "step[DECODE bs=4]", t, 1000), _x("cuda_runtime", "cudaLaunchKernel", t + 100, 5, k),
+               _gpu("attn", t + 500, 1000, k)]
+    ev += [_x("user_annotation", "step[EXTEND bs=1 toks=50]", 12000, 2000),
+           _x("cuda_runtime", "cudaGraphLaunch", 12100, 5, 10), _gpu("prefill", 12500, 3000, 10),
+           _x("user_annotation", "step[EXTEND bs=2 toks=300]", 20000, 2000),
+           _x("cuda_runtime", "cudaGraphLaunch", 20100, 5, 11), _gpu("prefill", 20500, 9000, 11)]
+    pw = T.reduce_events(ev)["prefill_windows"]
+    assert pw["rows"][0]["extends"] == [[1, 50], [2, 300]] and pw["rows"][0]["extend_gpu_ms"] == [3.0, 9.0]
+    assert pw["target_extend_gpu_ms_median"] == 6.0 and "draft_extend_gpu_ms_median" not in pw
+    assert pw["prefill_tokens_median"] == 50
