@@ -224,6 +224,21 @@ def step_costs(runs: list[dict]) -> list[dict]:
     return out
 
 
+def throughput_rows(benches: list[dict]) -> list[dict]:
+    """Every sweep row of every call, its rounds, and whether its server was torch-profiled before it measured:
+    a profile leaves its server slower for the rest of its life (Kineto keeps CUPTI attached, pytorch#144455),
+    so such a row is not comparable (run_bench profiles after the measurements since 2026-12-03's fourth lease:
+    `profiles_after_measurements`)."""
+    out = []
+    for i, b in enumerate(benches, 1):
+        before = set() if b.get("profiles_after_measurements") else {k.split("@")[0] for k in b.get("profiles") or {}}
+        for r in b.get("runs", []):
+            out.append({"call": i, "policy": r["policy"], "concurrency": r["concurrency"],
+                        "output_tokens_per_s": r.get("output_tokens_per_s"), "rounds": r.get("repeats_tok_s"),
+                        "profiled_before": r["policy"] in before})
+    return out
+
+
 def build(benches: list[dict], calls: list[str], log_dirs: list[str] | None = None) -> dict:
     first = benches[0]
     # a call's no-spec runs are the reference of the step costs only if the call ran a decode state or the
@@ -249,6 +264,7 @@ def build(benches: list[dict], calls: list[str], log_dirs: list[str] | None = No
     sk = splitkv_costs([r for b in benches for r in b.get("runs", [])])
     if sk:
         rec["splitkv"] = sk
+    rec["throughput"] = throughput_rows(benches)
     if log_dirs:
         rec["prefill_iterations"] = prefill_iterations(log_dirs)
         rec["step_costs_clean"] = clean_step_costs(log_dirs, sorted({r["concurrency"] for r in rec["step_costs"]}

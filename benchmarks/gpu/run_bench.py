@@ -866,6 +866,7 @@ def main():
     trees = sorted({p for p in outputs if p.startswith("static:") and parse_policy(p)["config"][1] > 1})
     for ref in trees:  # a tree's own greedy outputs: what specctl:TREE and threshold:T:TREE should reproduce
         result[f"identity_vs_{ref}"] = identity_report(outputs, ref)
+    result["profiles_after_measurements"] = True  # see profiles_of
     prof = profile_from_runs(result["runs"], f"h200-smollm2-135m-{a.variant}")
     json.dump(result, open(os.path.join(a.out, f"bench-{a.variant}.json"), "w"), indent=1)
     json.dump(prof, open(os.path.join(a.out, f"profile-{a.variant}.json"), "w"), indent=1)

@@ -585,3 +585,14 @@ def test_the_catch_up_servers_have_their_own_step_cost_and_resync_columns():
     assert rec["resync"]["accept_after_catchup"] == 1.66
     assert rec["targets"]["resync_catchup_tail_vs_same_text"] == round(1.66 / 1.69, 4)
     assert O.DECODE_STATE_CATCHUP not in {r["policy"] for r in rec["sweep"]}
+
+
+def test_throughput_rows_mark_the_servers_profiled_before_they_measured():
+    run = lambda pol, tok: {"policy": pol, "concurrency": 64, "output_tokens_per_s": tok,  # noqa: E731
+                            "repeats_tok_s": [tok]}
+    old = {"runs": [run("off", 2700.0), run("plugin-fixed:1:s3", 3500.0)], "profiles": {"off@128:churn": {}}}
+    new = dict(old, profiles_after_measurements=True)
+    rows = O.throughput_rows([old, new])
+    assert [(r["call"], r["policy"], r["profiled_before"]) for r in rows] == [
+        (1, "off", True), (1, "plugin-fixed:1:s3", False), (2, "off", False), (2, "plugin-fixed:1:s3", False)]
+    assert rows[0]["rounds"] == [2700.0]
