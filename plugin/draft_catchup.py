@@ -7,9 +7,10 @@ sync when speculation resumes; on the H200 testbed that extend is 2.2-2.5 % of t
 it). Measured with K = 16 (2026-12-03, second lease): the decode state 1.013 / 1.018 / 1.016x the no-spec
 step at c = 1 / 4 / 16 (1.029 / 1.034 / 1.031x without the catch-up), the draft's acceptance after a 30 s
 plain stretch 0.986 of its reference (0.973 without), greedy outputs unchanged; third lease (every prefill
-the whole prompt): 1.014-1.018x at c = 16, 1.024x at c = 128. It stays off by default because its server's
-throughput at c = 64 was below the shipped decode state's in each of three calls (0.79 / 0.89 / 0.975x), for a
-reason not found yet. Here a steps-0 step keeps the target's hidden state and the new token of each request in a ring of
+the whole prompt): 1.014-1.018x at c = 16, 1.024x at c = 64 and at c = 128. It stays off by default because
+its server's prefill iterations cost more (fourth lease, nothing profiled: 10-step windows at batch >= 120 with one
+/ two prefills 134 / 173 ms, 116 / 130 without it; profiled, the target's prefill span 42 ms of CPU against 30), for
+a reason not found yet. Here a steps-0 step keeps the target's hidden state and the new token of each request in a ring of
 K per request slot, and the draft is extended over what is pending in one forward: SGLang's own
 draft-extend step (_draft_extend_for_decode) with a window of K tokens per request, the pending ones
 first (the rest go to the padding slot and are never read):

@@ -760,10 +760,10 @@ def main():
                 result["servers"][sv["policy"]]["request_stats"] = {"error": str(e)}
 
     def profiles_of(servers):
-        """The --profile specs of these servers, AFTER their measurements: a torch profile leaves its server slower
-        for the rest of its life (Kineto does not finalise CUPTI when a profile stops, pytorch#144455; 2026-12-03
-        fourth lease, call K: each profiled server 10-25 % below its unprofiled runs at c = 64 / 128), so nothing a
-        profiled server measures afterwards is comparable."""
+        """The --profile specs of these servers, AFTER their measurements: a torch profile leaves its server
+        slower for the rest of its life (Kineto does not finalise CUPTI when a profile stops, pytorch#144455;
+        2026-12-03 fourth lease, calls K and K2: profiled servers up to 25 % below unprofiled runs of the same
+        build at c = 64 / 128), so nothing a profiled server measures afterwards is comparable."""
         for spec in (x for x in a.profile.split(",") if x):
             pol, c = spec.rsplit("@", 1)
             c, churn = (c[:-len(":churn")], True) if c.endswith(":churn") else (c, False)
