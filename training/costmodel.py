@@ -40,6 +40,9 @@ MIN_SETTLED = 3  # steady-state values needed before post-switch ones are ignore
 MEDIAN_SE = 1.25
 # post-switch values newer than every steady one that replace the steady values (see _TimeCell)
 FRESH_WARM = 16
+# how far a measured step time may have moved since it was measured: the relative standard error it
+# gains per step-time half-life of age (linear in age); see CostModel.step_ms_errors
+STEP_DRIFT_AT_HALF_LIFE = 0.1
 # a batch size whose median is this many standard errors off the monotone fit keeps its median
 MONOTONE_RELEASE_Z = 3.0
 ACCEPT_CAP_PER_S = 64.0  # requests one second of traffic may weigh in the acceptance estimate
@@ -160,6 +163,13 @@ class _TimeCell:
             return self.recent, self.weight
         return self.warm, self.warm_weight
 
+    def settled_newest_ts(self) -> float:
+        """The timestamp of the newest value `settled` returns (-inf: none)."""
+        fresh = min(self.warm_since_steady, len(self.warm))
+        if fresh >= FRESH_WARM or (len(self.recent) < MIN_SETTLED and self.warm):
+            return self.warm_ts[-1] if self.warm_ts else -math.inf
+        return self.recent_ts[-1] if self.recent_ts else -math.inf
+
     def settled_ctx(self) -> Sequence[float]:
         """The ctx_tokens of the values `settled` returns, in the same order."""
         fresh = min(self.warm_since_steady, len(self.warm))
@@ -260,6 +270,10 @@ class _AcceptCell:
     flagged: Optional[tuple[int, list, float]] = None
     sq: Optional[np.ndarray] = None  # (steps+1, steps+1)
     q: Optional[np.ndarray] = None  # (steps+1,)
+    # the decayed weight of the records that measured this acceptance, and their weighted mean
+    # timestamp: how old the evidence is (see CostModel._accept_age)
+    ts_w: float = 0.0
+    ts_mean: float = 0.0
 
     def fold(self, change_z: float = 0.0) -> Optional[float]:
         """Fold the gathered second into the history. With `change_z` > 0, two folded seconds in
@@ -303,6 +317,7 @@ class _AcceptCell:
     def scale(self, f: float) -> None:
         """Age the history by `f` (a weight factor): counts by f, second moments by f**2."""
         self.hist = [x * f for x in self.hist]
+        self.ts_w *= f
         if self.sq is not None:
             self.sq = self.sq * (f * f)
             self.q = self.q * (f * f)  # type: ignore[operator]
@@ -360,8 +375,10 @@ class CostModel:
 
     def __init__(self, *, half_life_s: float = 600.0, accept_half_life_s: float = 8.0,
                  accept_change_z: float = 0.0, warmup_steps: int = 2,
-                 min_region_samples: float = 16.0, max_batch: int = 4096):
+                 min_region_samples: float = 16.0, max_batch: int = 4096,
+                 step_drift: float = STEP_DRIFT_AT_HALF_LIFE):
         self.half_life_s = half_life_s
+        self.step_drift = step_drift
         self.accept_half_life_s = accept_half_life_s
         self.accept_change_z = accept_change_z
         self.warmup_steps = warmup_steps
@@ -386,6 +403,7 @@ class CostModel:
         self.fitted_: Optional[dict[Config, "_TimeFit"]] = None
         self.cell_cv_: dict[tuple[Config, int], float] = {}  # robust step-time cv per cell, at refit
         self.cell_n_: dict[tuple[Config, int], float] = {}  # values behind each cell's median, at refit
+        self.cell_age_: dict[tuple[Config, int], float] = {}  # s since each cell's newest settled value
         self.step_cv_: Optional[float] = None
         # context (telemetry with ctx_tokens only): slope statistics per cell, decayed step times per
         # (config, log2 batch region's first batch size, power-of-2 band of mean context), the fits
@@ -435,7 +453,7 @@ class CostModel:
         for k in self.ctx_band_w_:
             self.ctx_band_w_[k] *= f
         for acc in self.accept_.values():
-            acc.scale(fa)
+            acc.scale(fa)  # ts_w too
             acc.pend_wa *= fa
             if acc.flagged is not None:
                 acc.flagged = (acc.flagged[0], [x * fa for x in acc.flagged[1]], acc.flagged[2] * fa)
@@ -458,6 +476,11 @@ class CostModel:
             acc = self.accept_.get(c)  # type: ignore[arg-type]
             if acc is None:
                 acc = self.accept_[c] = _AcceptCell(hist=[0.0] * (steps + 1))  # type: ignore[index]
+            if s.accepted is not None or s.mean_accepted is not None:
+                w_ts = wa * (len(s.accepted) if s.accepted is not None else s.batch_size)
+                if w_ts > 0:
+                    acc.ts_w += w_ts
+                    acc.ts_mean += (s.ts - acc.ts_mean) * (w_ts / acc.ts_w)
             if s.accepted is not None:
                 second = int(s.ts)
                 if acc.pend_second != second:
@@ -624,6 +647,7 @@ class CostModel:
         settled = {k: cell.settled() for k, cell in self.times_.items()}
         f = self._now_factor()
         self.cell_n_ = {k: min(float(len(values)), weight * f) for k, (values, weight) in settled.items()}
+        self.cell_age_ = {k: max(0.0, self.now_ - cell.settled_newest_ts()) for k, cell in self.times_.items()}
         self.cell_cv_ = {k: _robust_cv(values) for k, (values, _) in settled.items() if len(values) >= MIN_SETTLED}
         self.step_cv_ = float(np.median(list(self.cell_cv_.values()))) if self.cell_cv_ else None
         by_config: dict[Config, list[tuple[int, float, float, float]]] = {}
@@ -906,7 +930,33 @@ class CostModel:
                     d = (gi if gi is not None else 0.0) - (gj if gj is not None else 0.0)
                     v += max(float(d @ chain[1] @ d), float(d @ chain[2] @ d))  # type: ignore[index]
                 out[i, j] = out[j, i] = v
-        return out
+        age = np.array([self._accept_age(c) for c in keys])  # type: ignore[arg-type]
+        grow = np.exp2(np.minimum(age / self.accept_half_life_s, 60.0))
+        return out * np.maximum(grow[:, None], grow[None, :])
+
+    def _accept_age(self, c: Config) -> float:
+        """How much older c's acceptance evidence is than that of an estimate measured all along, in
+        seconds: the weighted mean age of the records behind it (for a chain, those of the chains
+        reaching all its positions: a shorter one leaves the deeper positions as they were) less
+        accept_half_life_s / ln 2, the mean age of an exponentially decayed average fed steadily
+        up to now. 0 for plain decode. tau_log_diff_var doubles the variance of a difference per
+        half-life of the staler one's: its estimators weigh the records relative to each other,
+        which a pause in the measurements does not change, but the traffic's acceptance may have
+        moved since. That is what has acceptance measured again where the table decodes plainly
+        (until all drafts accepted would not win there): a few probing steps bring the mean age
+        down only in proportion to their weight, and the variance of what they measured is their
+        own, small sample's."""
+        if c[0] == 0:
+            return 0.0
+        if c[1] == 1:
+            cells = [a for k, a in self.accept_.items() if k[1] == 1 and k[0] >= c[0]]
+        else:
+            cells = [a for a in (self.accept_.get(c),) if a is not None]
+        w = sum(a.ts_w for a in cells)
+        if w <= 0:
+            return 0.0
+        mean_ts = sum(a.ts_w * a.ts_mean for a in cells) / w
+        return max(0.0, self.now_ - mean_ts - self.accept_half_life_s / math.log(2.0))
 
     def _chain_cov(self, depth: int) -> Optional[tuple[np.ndarray, np.ndarray, np.ndarray]]:
         """(a, between-seconds Cov(a), within-seconds Cov(a)) of the pooled chain positions
@@ -983,6 +1033,14 @@ class CostModel:
           uniform spread over the gap adding (gap / t)^2 / 12; beyond the measured range,
           anywhere between the end's value and twice the linear extrapolation's distance from
           it, adding (distance / t)^2 / 3.
+        - Age: a step time measured a while ago may have moved since (clocks, thermals, another
+          tenant, a driver): its standard error grows by step_drift per half-life of the age of
+          the cell's newest value, linearly (such changes are slow trends that persist, not
+          jitter: seconds add next to nothing, ten minutes 10% with the default). Without it a configuration the table left
+          keeps the certainty of its last measurement for good and is never measured again; with
+          it, a comparison the data once decided opens again as its evidence ages (the exploration
+          rule, policies.costmodel.measuring_gain, then measures it) and the switch tolerance of a
+          long-unmeasured configuration widens up to its cap.
         The noise part is 0 while the engine's noise is unknown. The thin part is the noise part
         of the batch sizes with fewer than MIN_SETTLED values only (nothing else)."""
         bs = np.asarray(batch_sizes, dtype=float)
@@ -998,6 +1056,7 @@ class CostModel:
                 var[i] = (MEDIAN_SE * cv) ** 2 / n if n > 0 else math.inf
                 if n < MIN_SETTLED:
                     thin_b[i] = var[i]
+        var = var + self._drift_var(tuple(c), f.b)  # type: ignore[arg-type]
         if len(f.b) == 1:
             noise, thin = np.full(len(bs), var[0]), np.full(len(bs), thin_b[0])
         else:
@@ -1019,6 +1078,13 @@ class CostModel:
             return np.sqrt(noise + outside ** 2 / 3.0), np.sqrt(thin)
         gap = np.where((lam > 0) & (lam < 1), (f.y[hi] - f.y[lo]) / pred, 0.0)
         return np.sqrt(noise + gap ** 2 / 12.0 + outside ** 2 / 3.0), np.sqrt(thin)
+
+    def _drift_var(self, c: Config, batch_sizes: np.ndarray) -> np.ndarray:
+        """The relative variance the measured cells of c at these batch sizes gained with age."""
+        if self.step_drift <= 0:
+            return np.zeros(len(batch_sizes))
+        ages = np.array([self.cell_age_.get((c, int(b)), 0.0) for b in batch_sizes])
+        return (self.step_drift * ages / self.half_life_s) ** 2
 
     def _cell_noise(self, key: tuple[Config, int]) -> tuple[float, float]:
         """(n, cv) behind the median of one (configuration, batch size) cell, as of the last refit:
@@ -1160,7 +1226,10 @@ class CostModel:
             cell.warm_since_steady = sum(1 for t in cell.warm_ts if t > newest)
             self.times_[(tuple(c), int(b))] = cell  # type: ignore[index]
         for c, hist, ms, mw, *moments in state["accept"]:
-            cell = _AcceptCell(hist=[float(x) for x in hist], mean_sum=float(ms), mean_weight=float(mw))
+            # the evidence's age is not kept: taken as the steady one of a cell measured up to now
+            cell = _AcceptCell(hist=[float(x) for x in hist], mean_sum=float(ms), mean_weight=float(mw),
+                               ts_w=float(sum(hist)) + float(mw),
+                               ts_mean=self.now_ - self.accept_half_life_s / math.log(2.0))
             if moments:  # absent in states written before standard errors were kept
                 k = len(cell.hist)
                 cell.sq = np.asarray(moments[0], dtype=float).reshape(k, k)

@@ -355,6 +355,45 @@ def test_tau_difference_variance_shrinks_with_evidence_and_grows_after_a_shift()
     assert _log_tau_ratio_and_var(m)[1] > 2 * _log_tau_ratio_and_var(before)[1]
 
 
+@pytest.mark.parametrize("drift", [0.1, 0.0])
+def test_a_step_time_gains_error_with_the_age_of_its_newest_value(drift):
+    """The standard error of a measured step time grows by `step_drift` per half-life of its age
+    (linear in age), so a comparison decided long ago opens again; 0 turns that off."""
+    rows = [Sample(ts=i * 0.01, config=c, batch_size=8, step_ms=ms * (1 + 0.02 * np.sin(i)))
+            for i in range(400) for c, ms in ((OFF, 7.0), (S3, 12.0)) if (i % 2 == 0) == (c == OFF)]
+    m = CostModel(warmup_steps=0, step_drift=drift).fit(rows)
+    fresh = m.step_ms_errors(S3, [8])[0][0]
+    # ten minutes (one half-life) of plain decode only: S3's values age, OFF's do not
+    m.partial_fit([Sample(ts=4.0 + i * 0.5, config=OFF, batch_size=8, step_ms=7.0) for i in range(1200)])
+    old = m.step_ms_errors(S3, [8])[0][0]
+    if drift:
+        assert old ** 2 - fresh ** 2 == pytest.approx(drift ** 2, rel=0.05)  # 10 % after 600 s
+        assert m.step_ms_errors(OFF, [8])[0][0] < 0.01
+    else:
+        assert old == pytest.approx(fresh, rel=0.05)
+
+
+def test_acceptance_not_measured_for_a_while_gets_a_wider_estimate_and_a_few_probes_do_not_reset_it():
+    """A chain measured for 30 s, then not for 40 s (the table decoded plainly): the variance of its
+    tau against plain decode doubles per half-life (8 s) of excess age. A single probing second
+    brings only its own weight of fresh evidence: the estimate stays wide."""
+    easy = (0.9, 0.85, 0.8)
+    steady = list(_chain_steps(easy, 30, 0.0, batch=4, steps_per_s=20))
+    plain = [Sample(ts=30.0 + i * 0.05, config=OFF, batch_size=4, step_ms=7.0) for i in range(800)]
+    m = CostModel().fit(steady)
+    v0 = m.tau_log_diff_var([OFF, S3])[0, 1]
+    m.partial_fit(plain)
+    v40 = m.tau_log_diff_var([OFF, S3])[0, 1]
+    assert v40 > 2 ** 3 * v0  # 40 s of silence: well over three half-lives of excess age
+    m.partial_fit(_chain_steps(easy, 0.1, 70.0, batch=4, steps_per_s=20, seed=1))  # two probing steps
+    assert m.tau_log_diff_var([OFF, S3])[0, 1] > 0.5 * v40
+    # offline (no decay), age means nothing
+    off = CostModel(half_life_s=float("inf"), accept_half_life_s=float("inf")).fit(steady + plain)
+    assert off.tau_log_diff_var([OFF, S3])[0, 1] == pytest.approx(
+        CostModel(half_life_s=float("inf"), accept_half_life_s=float("inf")).fit(steady).tau_log_diff_var([OFF, S3])[0, 1],
+        rel=0.01)
+
+
 def test_step_time_standard_error_counts_noise_gaps_and_extrapolation():
     rng = np.random.default_rng(0)
     sizes = (4, 8, 16, 24, 32)
