@@ -1,8 +1,8 @@
 """Cost-model policy: per batch size, the configuration with the best predicted goodput.
 
 goodput(c, b) = b * tau(c) / t(c, b). Inputs are plain arrays (the fitted model lives in
-`specctl.training`); the output is a `PolicyTable` with hysteresis against the previous table and
-deterministic exploration rows for (configuration, batch region) pairs that lack measurements.
+`specctl.training`); the output is a `PolicyTable` with hysteresis against the previous table; `measuring_gain` says
+which configurations are worth measuring where the table does not run them.
 """
 
 from __future__ import annotations
@@ -221,15 +221,59 @@ def _merge_islands(choices: list[Config], g: np.ndarray, idx: dict[Config, int],
             return out
 
 
-def explore_rows(coverage: dict[Config, Sequence[tuple[int, int, float]]],
-                 min_samples: float) -> tuple[Row, ...]:
-    """(region, config) pairs with fewer than `min_samples` decayed step-time samples."""
-    rows = []
-    for c in sorted(coverage):
-        for lo, hi, n in coverage[c]:
-            if n < min_samples:
-                rows.append(Row(lo, hi, c))
-    return tuple(sorted(rows, key=lambda r: (r.min_batch, r.config)))
+def measuring_gain(options: Sequence[Option], chosen: Sequence[Config], lo: int, *, z: float,
+                   margin: float = DEFAULT_MARGIN, tau_log_var: Optional[np.ndarray] = None,
+                   candidates: Sequence[Config] = (),
+                   measured: Optional[dict[Config, Sequence[int]]] = None) -> dict[Config, float]:
+    """What measuring each configuration at batch sizes lo .. lo + len(chosen) - 1 could gain,
+    against the table's choice there (`chosen`, one per batch size): an upper confidence bound on
+    how much better its goodput may be, in ln goodput.
+
+    gain(c, b) = ln g_c(b) - ln g_chosen(b) - ln(1 + margin) + z * sd, sd the standard error of the
+    difference that measuring c can shrink: c's own step time (noise, interpolation, age) and the
+    acceptance of both (`tau_log_var`, correlated where they share measurements). It is capped by
+    the same bound with c's tokens per step at all drafts accepted (steps + 1) in place of its
+    uncertain acceptance: a configuration that could not win even then is not worth a step. A
+    region's gain is the largest over its batch sizes where c is not the choice (c runs, and is
+    measured, where it is) and, where `measured` names batch sizes c has step times at there, over
+    those only: between them its prediction interpolates, with an error spanning the whole gap,
+    and exploring steps come at the traffic's batch sizes anyway. inf: nothing to compare there, i.e. c, or the choice, has no trusted
+    prediction at some batch size (never measured, or only by a long extrapolation);
+    `candidates` not among `options` (no step time or no acceptance yet) get inf too. A gain > 0
+    means the data cannot rule out that c beats the choice by more than `margin`: the daemon
+    measures it (controller.service). With z = 0 only a predicted win counts."""
+    idx = {o.config: i for i, o in enumerate(options)}
+    n = len(chosen)
+    out: dict[Config, float] = {c: float("inf") for c in candidates if c not in idx and c not in chosen}
+    ln_g = {o.config: np.log(np.maximum(o.goodput()[lo - 1:lo - 1 + n], 1e-300)) for o in options}
+    trust = {o.config: o.trust()[lo - 1:lo - 1 + n] for o in options}
+    chosen_idx = [idx.get(ch) for ch in chosen]
+    lead = np.log1p(margin)
+    for o in options:
+        c, i = o.config, idx[o.config]
+        other = np.array([ch != c for ch in chosen])
+        if not other.any():
+            continue
+        own = np.zeros(n, bool)
+        for b in (measured or {}).get(c, ()):
+            if lo <= b < lo + n:
+                own[b - lo] = True
+        if (own & other).any():
+            other &= own
+        best = -np.inf
+        var_c = o.step_var()[lo - 1:lo - 1 + n]
+        cap = np.log((c[0] + 1.0) / max(o.tokens_per_step, 1e-9))
+        for k in np.flatnonzero(other):
+            j = chosen_idx[k]
+            if j is None or not trust[c][k] or not trust[options[j].config][k]:
+                best = float("inf")
+                break
+            diff = ln_g[c][k] - ln_g[options[j].config][k] - lead
+            tv = float(tau_log_var[i, j]) if tau_log_var is not None else 0.0
+            ucb = diff + z * np.sqrt(var_c[k] + tv)
+            best = max(best, float(min(ucb, diff + cap + z * np.sqrt(var_c[k]))))
+        out[c] = best
+    return out
 
 
 def derive(options: Sequence[Option], *, previous: Optional[PolicyTable] = None,
@@ -252,4 +296,4 @@ def crossover(table: PolicyTable) -> Optional[int]:
     return table.spec_off_crossover()
 
 
-__all__ = ["Option", "Tolerance", "choose", "derive", "explore_rows", "goodput_matrix", "crossover", "OFF"]
+__all__ = ["Option", "Tolerance", "choose", "derive", "measuring_gain", "goodput_matrix", "crossover", "OFF"]

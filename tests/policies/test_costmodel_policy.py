@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from specctl.policies.costmodel import Option, choose, derive, explore_rows
+from specctl.policies.costmodel import Option, choose, derive, measuring_gain
 from specctl.policies.table import OFF, PolicyTable, Row, chain
 
 S1, S3 = chain(1), chain(3)
@@ -40,13 +40,55 @@ def test_hysteresis_keeps_boundary_within_margin():
     assert derive(moved, previous=first).spec_off_crossover() > 32
 
 
-def test_explore_rows_cover_only_thin_regions():
-    cov = {OFF: [(1, 1, 0.0), (2, 3, 100.0)], S3: [(1, 1, 50.0), (2, 3, 3.0)]}
-    rows = explore_rows(cov, min_samples=16)
-    assert rows == (Row(1, 1, OFF), Row(2, 3, S3))
-    t = derive([opt(OFF, 1.0, 6, 0.02), opt(S3, 2.5, 7, 0.3)], explore=rows)
-    assert t.explore_period == 64 and t.explore == rows
-    assert isinstance(t, PolicyTable)
+def se_opt(c, tau, base, slope, se=0.0, trusted=None):
+    return Option(c, tau, base + slope * B, trusted, np.full(len(B), se))
+
+
+INF = float("inf")
+
+
+@pytest.mark.parametrize("case, options, tau_var, chosen, z, expect", [
+    # clear loser, well measured: not worth a step
+    ("decided", [se_opt(OFF, 1.0, 6, 0.0, 0.01), se_opt(S3, 2.5, 8, 0.0, 0.01)], 0.0, S3, 2.0, {OFF: "<0"}),
+    # the same loser measured once (20% error): it might win, measure it
+    ("thin", [se_opt(OFF, 1.0, 6, 0.0, 0.5), se_opt(S3, 2.5, 8, 0.0, 0.01)], 0.0, S3, 2.0, {OFF: ">0"}),
+    # a near-tie within the margin's reach: 2 s.e. of 3% cover a 2% shortfall
+    ("near-tie", [se_opt(OFF, 1.0, 6, 0.0, 0.03), se_opt(S1, 1.0 / 0.98, 6, 0.0, 0.0)], 0.0, S1, 2.0,
+     {OFF: ">0"}),
+    # ... but z = 0 measures only predicted wins (by more than the margin)
+    ("near-tie z=0", [se_opt(OFF, 1.0, 6, 0.0, 0.03), se_opt(S1, 1.0 / 0.98, 6, 0.0, 0.0)], 0.0, S1, 0.0,
+     {OFF: "<0"}),
+    # uncertain acceptance where plain decode is chosen: s3 may win (tau 1.8, could be 2.5)
+    ("acceptance", [se_opt(OFF, 1.0, 6, 0.0, 0.0), se_opt(S3, 1.8, 12, 0.0, 0.0)], 0.3, OFF, 2.0, {S3: ">0"}),
+    # ... unless it could not win even with every draft accepted (4 tokens at 5x the step time)
+    ("hopeless", [se_opt(OFF, 1.0, 6, 0.0, 0.0), se_opt(S3, 1.8, 30, 0.0, 0.0)], 9.0, OFF, 2.0, {S3: "<0"}),
+    # untrusted (never measured near here): nothing bounds it, measure it
+    ("untrusted", [se_opt(OFF, 1.0, 6, 0.0, 0.0, np.zeros(len(B), bool)), se_opt(S3, 2.5, 8, 0.0, 0.0)], 0.0,
+     S3, 2.0, {OFF: INF}),
+])
+def test_measuring_gain(case, options, tau_var, chosen, z, expect):
+    tv = np.array([[0.0, tau_var], [tau_var, 0.0]])
+    gains = measuring_gain(options, [chosen] * 8, 9, z=z, tau_log_var=tv)
+    assert set(gains) == set(expect), case
+    for c, want in expect.items():
+        g = gains[c]
+        if want == ">0":
+            assert 0 < g < INF, (case, g)
+        elif want == "<0":
+            assert g <= 0, (case, g)
+        else:
+            assert g == want, (case, g)
+
+
+def test_measuring_gain_skips_the_choice_and_names_unknown_candidates():
+    options = [se_opt(OFF, 1.0, 6, 0.0, 0.01), se_opt(S3, 2.5, 8, 0.0, 0.01)]
+    # s3 chosen at batch 1, off at batch 2: each is measured where the other is chosen
+    gains = measuring_gain(options, [S3, OFF], 1, z=2.0, candidates=[OFF, S1, S3])
+    assert set(gains) == {OFF, S3, S1} and gains[S1] == INF
+    # where a configuration is the choice at every batch size of the region it is not listed
+    assert set(measuring_gain(options, [S3, S3], 1, z=2.0, candidates=[OFF, S3])) == {OFF}
+    # the gain is the region's largest: the advantage of s3 at batch 1 (2.08x) counts
+    assert measuring_gain(options, [OFF, OFF], 1, z=0.0)[S3] == pytest.approx(np.log(2.5 * 6 / 8 / 1.01))
 
 
 def test_untrusted_extrapolation_never_wins_or_absorbs_a_run():
