@@ -17,7 +17,7 @@ from ..policies import costmodel as cmpolicy
 from ..policies.fixed import DEFAULT_CONFIG, DEFAULT_THRESHOLD, fixed_threshold, static
 from ..policies.table import (OFF, Band, Config, PolicyTable, Row, config_name, ctx_band_range, rows_from_choices,
                               rows_to_obj)
-from ..training.costmodel import FRESH_WARM, MEDIAN_SE, CostModel, Sample, regions
+from ..training.costmodel import STEP_DRIFT_AT_HALF_LIFE, CostModel, Sample, regions
 from . import wire
 from .metrics import Metrics
 from .state import StateStore
@@ -26,9 +26,6 @@ log = logging.getLogger("specctl.service")
 
 MAX_SEEN_CANDIDATES = 16  # configurations taken from telemetry when --configs is not given
 MAX_EXPLORE_ROWS = 256
-# step times a configuration still in the running is kept measured with, per region and
-# ServiceSettings.refresh_s (see ControllerService._with_refresh_rows)
-REFRESH_VALUES = 32
 
 
 @dataclass(frozen=True)
@@ -49,41 +46,38 @@ class ServiceSettings:
     # two seconds in a row this many standard errors off the acceptance history replace it
     # (0 = off: shifts are then followed at the pace of accept_half_life_s)
     accept_change_z: float = 3.0
-    # keep measuring acceptance on exploring steps where plain decode is chosen (see
-    # ControllerService._with_acceptance_probes)
-    acceptance_probes: bool = True
-    # stop exploring a (region, configuration) once it is this many standard errors of its
-    # measured step time away from winning there (0 = explore until min_region_samples)
-    explore_decided_z: float = 3.0
-    # a configuration the table does not run in a region, and that is not decided against
-    # there (explore_decided_z), is measured again once it has had fewer than REFRESH_VALUES step
-    # times there over this many seconds (0 = never; see ControllerService._with_refresh_rows)
-    refresh_s: float = 120.0
+    # the relative standard error a measured step time gains per half_life_s of age (see
+    # CostModel.step_ms_errors): what reopens a comparison the data once decided
+    step_drift: float = STEP_DRIFT_AT_HALF_LIFE
     warmup_steps: int = 2
     # configurations the engines have runtime states for; None = those seen in telemetry + off
     candidates: Optional[tuple[Config, ...]] = None
     margin: float = cmpolicy.DEFAULT_MARGIN
-    # a boundary moves, and an island stands, only where the better configuration wins by more
-    # than this many standard errors of the goodput difference (acceptance and step time; see
-    # policies.costmodel.Tolerance); `margin` stays the floor. 0 = margin alone
+    # the uncertainty the daemon acts on, in standard errors of the goodput difference (acceptance
+    # and step time): a boundary moves, and an island stands, only where the better configuration
+    # wins by more (policies.costmodel.Tolerance; `margin` the floor, `max_margin` the cap), and a
+    # configuration is measured where it may win by more than `margin` within it (the exploration
+    # rule, ControllerService._explore_rows). 0 = margin alone, and only predicted wins measured
     switch_z: float = 2.0
-    max_margin: float = cmpolicy.DEFAULT_MAX_MARGIN  # the cap on that tolerance
+    max_margin: float = cmpolicy.DEFAULT_MAX_MARGIN
+    # the exploration budget: one step in this many runs a configuration worth measuring (0 = none)
     explore_period: int = cmpolicy.DEFAULT_EXPLORE_PERIOD
-    # a configuration that looks better than the table's choice, by less than the tolerance, is
-    # measured on one step in this many (0 = never; see ControllerService._challenge_rows)
-    challenge_period: int = 16
+    # steps of traffic a (batch region, context band) needs before configurations are measured in it
     min_region_samples: float = 16.0
+    # per batch region (and context band), how many of the configurations worth measuring share the
+    # exploring steps: those with the largest bound (see ControllerService._explore_rows; 0 = all)
+    explore_per_region: int = 2
     max_batch: int = 1024
     persist_model_s: float = 30.0
     max_future_s: float = 300.0  # records stamped further ahead of our clock are rejected
     # where telemetry carries ctx_tokens and step time depends on it, publish a table per band of
     # mean context per request (see ControllerService.ctx_bands); False: one table for any context
     ctx_axis: bool = True
-    # price the time between decode steps (prefill iterations) per configuration where telemetry has
-    # measured it for two or more of them (see ControllerService.gap_ms). Off by default: on the H200
-    # recordings of 2026-12-02 the measured gaps follow the workload's phase (a level's ramp-up
-    # prefills whatever runs then) as much as the configuration, and near-ties flap the table
-    # (docs/gpu-testbed.md, item 1, fourth lease); on for the testbed's A/B (`specctl-gap`)
+    # an experiment, not a `specctl serve` flag: price the time between decode steps (prefill
+    # iterations) per configuration where telemetry has measured it for two or more of them (see
+    # ControllerService.gap_ms). Off: the measured gaps follow the workload's phase (a level's
+    # ramp-up prefills whatever runs then) as much as the configuration, and on the GPU it did not pay
+    # (docs/gpu-testbed.md, item 1); scripts/replay_gaps.py replays recordings with it
     gap_term: bool = False
 
     def __post_init__(self) -> None:
@@ -98,8 +92,8 @@ class ServiceSettings:
             raise ValueError("switch_z must be >= 0, margin and max_margin in [0, 1]")
         if self.explore_period and self.explore_period < 50:
             raise ValueError("explore_period below 50 would explore more than 2% of steps")
-        if self.challenge_period and self.challenge_period < 8:
-            raise ValueError("challenge_period below 8 would spend more than one step in 8 on challengers")
+        if self.step_drift < 0:
+            raise ValueError("step_drift must be >= 0")
         if self.candidates is not None and tuple(self.fixed_config) not in {tuple(c) for c in self.candidates}:
             names = ", ".join(config_name(c) for c in sorted(self.candidates))
             raise ValueError(f"the fallback configuration {config_name(self.fixed_config)} is not among the "
@@ -132,7 +126,8 @@ class ControllerService:
                                accept_half_life_s=settings.accept_half_life_s,
                                accept_change_z=settings.accept_change_z,
                                warmup_steps=settings.warmup_steps,
-                               min_region_samples=settings.min_region_samples)
+                               min_region_samples=settings.min_region_samples,
+                               step_drift=settings.step_drift)
         self.model.fit([])
         self.servers: dict[str, ServerStats] = {}
         self.started_at = clock()
@@ -148,10 +143,11 @@ class ControllerService:
             # engines without a plain-decode state: the fallback speculates at every size
             fallback = static(settings.fixed_config)
         self.fallback = fallback
-        self._tau_peak: dict[Config, tuple[float, float]] = {}  # chain -> (peak tau, when)
         self._new_telemetry = False  # records taken since the last refit
         self._partial_since: Optional[float] = None  # first telemetry while the evidence was partial
         self.band_summary: list[dict[str, Any]] = []  # the context bands of the last refit (ctx_bands)
+        # per context band of the last refit: (band index, its options, its choice per batch size)
+        self._band_choices: list[tuple[int, list[cmpolicy.Option], list[Config]]] = []
 
         loaded = None
         self.resumed_version: Optional[int] = None  # the policy version taken from the state dir
@@ -310,11 +306,10 @@ class ControllerService:
             if tau is None or not self.model.has_step_time(c):
                 continue
             lo, hi, _ = self.model.measured_range(c)
-            # extrapolate a step-time curve up to twice its largest measured batch size, and
-            # down to a quarter of its smallest. Not further up even where the curve spans a
-            # wide range: on the simulated MoE, s1 measured to 32 against plain decode measured
-            # to 16 looked even with it at 64 and 96, where plain decode is 8-12% better, and
-            # carried the table there (docs/benchmarks.md, "Session 9")
+            # a step-time curve is trusted up to twice its largest measured batch size and down to
+            # a quarter of its smallest, however wide its span: step time bends upwards where the
+            # GPU saturates, a knee the measured range need not show; beyond, the configuration
+            # is untrusted, and so measured there by the exploration rule, not extrapolated
             trusted = (b >= lo / 4.0) & (b <= hi * 2)
             se = thin = None
             t = self.model.predict_step_ms(c, b)
@@ -344,7 +339,7 @@ class ControllerService:
         mb = self.table_max_batch()
         options = self.options(mb)
         self.evidence = self._evidence_problem(options)
-        explore = self._explore_rows()
+        self._band_choices = []
         current = PolicyTable.from_policy_obj(wire.to_obj(self.policy))
         if self.settings.mode == "online" and options:
             # with partial evidence (say, plain decode never measured yet) the configurations
@@ -353,28 +348,21 @@ class ControllerService:
             usable = set(self.candidates())
             base = current if all(c in usable for c in current.configs()) else None
             z = self.settings.switch_z
+            tau_log_var = self.model.tau_log_diff_var([o.config for o in options]) if z > 0 else None
             derived = cmpolicy.derive(options, previous=current if self.policy.source == "online" else None,
                                       margin=self.settings.margin, default=base, z=z,
-                                      max_margin=self.settings.max_margin,
-                                      tau_log_var=self.model.tau_log_diff_var([o.config for o in options])
-                                      if z > 0 else None)
-            explore = self._without_decided(explore, derived, options)
-            explore = self._with_acceptance_probes(explore, derived, options)
-            explore = self._with_refresh_rows(explore, derived, options)
-            explore = self._with_ctx_explore_rows(explore, options)
-            challenge = self._challenge_rows(derived, options)
+                                      max_margin=self.settings.max_margin, tau_log_var=tau_log_var)
             bands = self.ctx_bands(options, derived, current if self.policy.source == "online" else None)
+            explore = self._explore_rows(derived, options, tau_log_var)
             table = PolicyTable(rows=derived.rows, explore=explore,
-                                explore_period=self.settings.explore_period if explore else 0,
-                                challenge=challenge,
-                                challenge_period=self.settings.challenge_period if challenge else 0,
-                                bands=bands)
+                                explore_period=self.settings.explore_period if explore else 0, bands=bands)
             source = "online"
         elif self.policy.source == "online":
             # A learned table outlives a thin window (e.g. right after a restart): keep it
             # until the evidence says otherwise; engines still fall back if it goes stale.
             table, source = current, "online"
         else:
+            explore = self._explore_rows(current, options, None)
             table = PolicyTable(rows=current.rows, explore=explore,
                                 explore_period=self.settings.explore_period if explore else 0)
             source = self.policy.source
@@ -412,9 +400,12 @@ class ControllerService:
         `table`'s choice stays. Neighbouring bands with the same rows are one band; the lowest is
         extended down to 0 and the highest up without bound. Nothing (one table for any context)
         when the telemetry carries no ctx_tokens, no configuration's step time depends on it, or all
-        bands choose alike. `self.band_summary` keeps what `policy show` prints per band. `z`: the
-        tolerance's standard errors, if not `switch_z` (`specctl train` chooses with 0)."""
+        bands choose alike. `self.band_summary` keeps what `policy show` prints per band, and
+        `self._band_choices` each band's options and choices before merging (what the exploration
+        rule compares with there). `z`: the tolerance's standard errors, if not `switch_z` (`specctl
+        train` chooses with 0)."""
         self.band_summary = []
+        self._band_choices = []
         if not self.settings.ctx_axis or not options or not self.model.has_ctx():
             return ()
         if not any(self.model.ctx_slope(o.config)[0] > 0 for o in options):
@@ -446,7 +437,9 @@ class ControllerService:
                                       max_margin=self.settings.max_margin)
             rows = rows_from_choices(choices)
             if len(rows) > 256:  # as derive(): pathological near-ties
-                rows = rows_from_choices(cmpolicy.choose(opts, None, 0.0, table))
+                choices = cmpolicy.choose(opts, None, 0.0, table)
+                rows = rows_from_choices(choices)
+            self._band_choices.append((k, opts, choices))
             per_band.append((lo, hi, rows, traffic.get(k, 0.0), opts))
         merged: list[list[Any]] = []  # [lo, hi, rows, traffic, opts of the busiest band, its middle]
         for lo, hi, rows, n, opts in per_band:
@@ -473,237 +466,71 @@ class ControllerService:
                                                                     for p in probes] for o in opts}})
         return tuple(Band(lo, hi, rows) for lo, hi, rows, *_ in merged)
 
-    def _challenge_rows(self, table: PolicyTable, options: list[cmpolicy.Option]) -> tuple[Row, ...]:
-        """Where a configuration predicts a better goodput than the table's choice, by more than
-        `margin`, at a batch size where both have step times of their own, the table keeps the
-        choice only because the difference is within the tolerance (`switch_z` standard errors,
-        capped at `max_margin`). Measuring the challenger more often settles it sooner: its
-        acceptance, measured only on its exploring steps, is what keeps that tolerance wide at
-        small batches, and it stops narrowing once the acceptance window (about 23 s) is full.
-        So the challenger gets one step in `challenge_period` in that region until it wins or
-        stops looking better.
+    def _explore_rows(self, table: PolicyTable, options: list[cmpolicy.Option],
+                      tau_log_var: Optional[np.ndarray]) -> tuple[Row, ...]:
+        """The exploration rule: the (batch region, configuration) pairs worth a step of the
+        budget (one step in `explore_period` runs one of them, in turn).
 
-        Only on an engine whose step times are steady enough: challenging steps come after a
-        switch, FRESH_WARM of them stand for the cell (CostModel's _TimeCell), and their median
-        must be within the tolerance cap at `switch_z` (step-time noise cv up to 0.08 with the
-        defaults). On the measured 135M base profile (cv 0.32) it was not: a median of 16
-        challenging steps 10% off switched the table on noise (docs/benchmarks.md, "Session
-        9")."""
-        period = self.settings.challenge_period
-        top = self.model.max_observed_batch()
-        cv = self.model.step_time_cv()
-        if period <= 0 or top <= 0 or cv is None or len(options) < 2:
-            return ()
-        if self.settings.switch_z * MEDIAN_SE * cv / np.sqrt(FRESH_WARM) > self.settings.max_margin:
-            return ()
-        goodput = {o.config: o.goodput() for o in options}
-        trust = {o.config: o.trust() for o in options}
-        measured = {c: set(self.model.measured_batches(c)) for c in goodput}
-        lead = 1.0 + self.settings.margin
-        out = []
-        for lo, hi in regions(top):
-            for c in goodput:
-                for b in sorted(measured[c]):
-                    if not lo <= b <= min(hi, top):
-                        continue
-                    chosen = table.lookup(b)
-                    if (chosen != c and chosen in goodput and b in measured[chosen]
-                            and trust[c][b - 1] and trust[chosen][b - 1]
-                            and goodput[c][b - 1] > lead * goodput[chosen][b - 1]):
-                        out.append(Row(lo, hi, c))
-                        break
-        return tuple(out[:MAX_EXPLORE_ROWS])
-
-    def _explore_rows(self) -> tuple[Row, ...]:
+        In each log2 batch region the traffic has reached, a configuration the table does not run
+        everywhere there is measured while the data cannot rule out that it beats the table's
+        choice by more than `margin` (policies.costmodel.measuring_gain: an upper bound of
+        `switch_z` standard errors on its goodput advantage). The standard errors are the cost
+        model's: a configuration never measured in the region has none to bound it and is
+        measured; one measured a few times has a wide step-time error, shrinking as its steps come
+        in; an acceptance not measured lately (while the table decodes plainly) loses its weight,
+        so its error grows until it is measured again, unless even all drafts accepted would not
+        win there; a step time ages (CostModel.step_ms_errors), so a comparison the data once
+        decided reopens as its evidence gets old; and a near-tie stays measured until the
+        difference is known to within `margin`. Where step time depends on the context, the same
+        rule runs per context band that has min_region_samples steps of traffic in the region,
+        against that band's choice (rows naming the band cover only batches of its mean context).
+        Of those, the `explore_per_region` with the largest bound get the region's exploring steps,
+        in turn (the budget is small: spread over every open comparison, none settles; the bounds
+        are recomputed every refit, so the next ones take over as these settle). A row the last
+        policy had stays while its bound is within `margin` of 0 (a dead band: a near-tie's bound
+        hovering at 0 would otherwise add and drop the row, a new policy version each time).
+        Nothing in fixed mode, or with explore_period 0."""
         if self.settings.explore_period <= 0 or self.settings.mode != "online":
             return ()
         top = self.model.max_observed_batch()
         if top <= 0:
             return ()
-        coverage = {}
-        for c in self.candidates():
-            if self.model.has_step_time(c):
-                coverage[c] = self.model.region_samples(c, top)
-            else:
-                coverage[c] = [(lo, hi, 0.0) for lo, hi in regions(top)]
-        rows = list(cmpolicy.explore_rows(coverage, self.settings.min_region_samples))
-        return tuple(sorted(rows, key=lambda r: (r.min_batch, r.config))[:MAX_EXPLORE_ROWS])
+        z, margin, cands = self.settings.switch_z, self.settings.margin, self.candidates()
+        measured = {o.config: self.model.measured_batches(o.config) for o in options}
+        rows: list[Row] = []
+        had = {(r.min_batch, r.config.key, r.min_ctx) for r in self.policy.explore or ()}
+        keep = -float(np.log1p(margin))
 
-    def _without_decided(self, rows: tuple[Row, ...], table: PolicyTable,
-                         options: list[cmpolicy.Option]) -> tuple[Row, ...]:
-        """Drop the exploration rows whose configuration has lost its region beyond doubt.
+        def add(lo: int, hi: int, gains: dict[Config, float], **ctx: Any) -> None:
+            ok = sorted(((-g, c) for c, g in gains.items()
+                         if g > 0.0 or (g > keep and (lo, c, ctx.get("min_ctx")) in had)))
+            if self.settings.explore_per_region:
+                ok = ok[:self.settings.explore_per_region]
+            rows.extend(Row(lo, hi, c, **ctx) for _, c in ok)
 
-        The median of n step times with noise cv is off by about 1.25 cv / sqrt(n). A row stays
-        while its configuration, sped up by `explore_decided_z` such errors, could beat the
-        table's choice (slowed down likewise) at some batch size of the region seen so far, and
-        wherever either prediction is an untrusted extrapolation or rests on under one sample.
-        Samples decay with the step-time half-life, so a dropped row returns as its evidence
-        ages: a decided comparison is re-checked now and then instead of on every 64th step."""
-        z = self.settings.explore_decided_z
-        top = self.model.max_observed_batch()
-        if z <= 0 or not rows or top <= 0:
-            return rows
-        goodput = {o.config: o.goodput() for o in options}
-        trust = {o.config: o.trust() for o in options}
-        cv = self.model.step_time_cv()
-        if cv is None:
-            return rows
-        samples = {c: {(lo, hi): n for lo, hi, n in self.model.region_samples(c, top)} for c in goodput}
-
-        def bound(c: Config, region: tuple[int, int], b0: int, sign: float) -> Optional[float]:
-            n = samples.get(c, {}).get(region, 0.0)
-            if c not in goodput or n < 1.0 or not trust[c][b0]:
-                return None
-            return float(goodput[c][b0]) * (1.0 + sign * z * MEDIAN_SE * cv / np.sqrt(n))
-
-        keep = []
-        for r in rows:
-            region = (r.min_batch, r.max_batch if r.max_batch is not None else r.min_batch)
-            decided = True
-            for b in range(r.min_batch, min(region[1], top) + 1):
-                chosen = table.lookup(b)
-                best = bound(r.config, region, b - 1, +1.0)
-                rival = bound(chosen, region, b - 1, -1.0)
-                if chosen == r.config or best is None or rival is None or best >= rival:
-                    decided = False
-                    break
-            if not decided:
-                keep.append(r)
-        return tuple(keep)
-
-    def _with_refresh_rows(self, rows: tuple[Row, ...], table: PolicyTable,
-                           options: list[cmpolicy.Option]) -> tuple[Row, ...]:
-        """Measure again, now and then, the configurations the table left where they are still
-        in the running.
-
-        A configuration the table does not choose in a region is measured there only by
-        exploring steps, and those stop once it has min_region_samples (decayed) step times.
-        But its prediction is the median of a few dozen values, and the table left it because
-        that median came out high: noise that nothing would ever revise. So where such a
-        configuration could still beat the table's choice at a batch size of the region where
-        it has step times of its own (its goodput sped up by `explore_decided_z` standard
-        errors of its step time, the choice's slowed down alike), and it has had fewer than
-        REFRESH_VALUES step times there in the last `refresh_s` seconds, its exploration row
-        returns until it has them. Exploring steps are single steps after a switch; once
-        FRESH_WARM of them are newer than a cell's steady values they stand for the cell (see
-        CostModel's _TimeCell). Cost: at most REFRESH_VALUES exploring steps per configuration
-        and region every `refresh_s`, and only where the comparison is open.
-
-        The values are the simulator's (docs/benchmarks.md, "Session 8"): on the measured 135M
-        base profile (step-time noise cv 0.32) at stationary concurrency 4, seeds 100-111, 16
-        values every 15 s lost more to switches on noisy medians than they saved; 32 every
-        60 s cost the stationary-high pairs 0.2-0.4% in exploring steps; 32 every 120 s was
-        neutral on the shipped pairs and better on those seeds. Within a 120 s workload that
-        re-measures thinly measured configurations; one that ran steadily before it was left
-        is measured again refresh_s after it was left."""
-        z = self.settings.explore_decided_z
-        if self.settings.refresh_s <= 0 or self.settings.explore_period <= 0 or z <= 0:
-            return rows
-        top = self.model.max_observed_batch()
-        if top <= 0 or len(options) < 2:
-            return rows
-        since = self.clock() - self.settings.refresh_s
-        upper, lower, trust = {}, {}, {}
-        for o in options:
-            se = o.step_ms_se if o.step_ms_se is not None else np.zeros(len(o.step_ms))
-            g = o.goodput()
-            upper[o.config] = g * (1.0 + z * se)
-            lower[o.config] = g * np.maximum(0.0, 1.0 - z * se)
-            trust[o.config] = o.trust()
-        have = {(r.min_batch, r.config) for r in rows}
-        extra = []
-        measured = {c: self.model.measured_batches(c) for c in upper}
+        if options:
+            top = min(top, len(options[0].step_ms))  # the batch sizes predictions were made for
         for lo, hi in regions(top):
-            end = min(hi, top)  # the region seen so far
-            chosen = {b: table.lookup(b) for b in range(lo, end + 1)}
-            for c in upper:
-                if (lo, c) in have or c in chosen.values():
-                    continue
-                # where c has step times of its own: elsewhere its prediction is an
-                # interpolation, and the exploration rows of unmeasured regions cover it
-                open_ = any(trust[c][b - 1] and chosen[b] in trust and trust[chosen[b]][b - 1]
-                            and upper[c][b - 1] >= lower[chosen[b]][b - 1]
-                            for b in measured[c] if lo <= b <= end)
-                if open_ and self.model.values_since(c, lo, hi, since, REFRESH_VALUES) < REFRESH_VALUES:
-                    extra.append(Row(lo, hi, c))
-        if not extra:
-            return rows
-        return tuple(sorted(list(rows) + extra, key=lambda r: (r.min_batch, r.config))[:MAX_EXPLORE_ROWS])
-
-    def _with_ctx_explore_rows(self, rows: tuple[Row, ...], options: list[cmpolicy.Option]) -> tuple[Row, ...]:
-        """Where step time depends on the context, measure every configuration in every context band
-        the traffic visits, region by region. A table per band runs a configuration only in the
-        bands it wins, so without this a configuration that loses at short contexts is never
-        measured at long ones (where it may win), and its context slope, which needs the same batch
-        size at two contexts, never appears. So for each (batch region, context band) with
-        min_region_samples steps of traffic, a configuration with fewer step times there than that
-        gets an exploration row for that band (a row naming min_ctx / max_ctx covers only batches
-        of that mean context). Nothing while no configuration's step time depends on the context."""
-        if (not self.settings.ctx_axis or self.settings.explore_period <= 0 or not self.model.has_ctx()
-                or not any(self.model.ctx_slope(o.config)[0] > 0 for o in options)):
-            return rows
-        need = self.settings.min_region_samples
-        cov = self.model.ctx_coverage()
-        traffic: dict[tuple[int, int], float] = {}
-        for (_, lo, k), n in cov.items():
-            traffic[(lo, k)] = traffic.get((lo, k), 0.0) + n
-        extra = []
-        for (lo, k), n in sorted(traffic.items()):
-            if n < need:
-                continue
-            band_lo, band_hi = ctx_band_range(k)
-            for c in self.candidates():
-                if cov.get((c, lo, k), 0.0) < need:
-                    extra.append(Row(lo, 2 * lo - 1, c, min_ctx=band_lo, max_ctx=band_hi))
-        if not extra:
-            return rows
-        out = sorted(list(rows) + extra, key=lambda r: (r.min_batch, r.config, -1 if r.min_ctx is None else r.min_ctx))
-        return tuple(out[:MAX_EXPLORE_ROWS])
-
-    def _with_acceptance_probes(self, rows: tuple[Row, ...], table: PolicyTable,
-                                options: list[cmpolicy.Option]) -> tuple[Row, ...]:
-        """Acceptance is only measured while speculating, and it follows the traffic. Where the
-        table decodes plainly, keep measuring it on exploring steps with the speculative
-        configuration (chain or tree) that would take over first (the best predicted), unless none
-        could beat plain decode there even at the best acceptance it has shown lately (its peak tau,
-        remembered with the step-time half-life, plus 10%, at most steps + 1): then the outcome is
-        not expected to change and a probe only costs."""
-        if self.settings.explore_period <= 0 or not self.settings.acceptance_probes:
-            return rows
-        top = self.model.max_observed_batch()
-        by_config = {o.config: o for o in options}
-        off = by_config.get(OFF)
-        spec = [o for o in options if o.config[0] > 0]
-        if top <= 0 or off is None:
-            return rows
-        if not spec:  # never measured: the longest candidate chain measures every position
-            cand = [c for c in self.candidates() if c[0] > 0 and c[1] == 1] or [c for c in self.candidates() if c[0] > 0]
-            if not cand:
-                return rows
-            probes = [Row(lo, hi, max(cand)) for lo, hi in regions(top) if table.lookup(lo)[0] == 0]
-        else:
-            g_off = off.goodput()
-            now = self.clock()
-            hopeful = {}
-            for o in spec:
-                peak, when = self._tau_peak.get(o.config, (0.0, now))
-                peak = 1.0 + (peak - 1.0) * 2.0 ** (-(now - when) / self.settings.half_life_s)
-                peak = max(peak, o.tokens_per_step)
-                self._tau_peak[o.config] = (peak, now)
-                hopeful[o.config] = min(o.config[0] + 1.0, 1.0 + 1.1 * (peak - 1.0))
-            probes = []
-            for lo, hi in regions(top):
-                b0 = min(hi, len(g_off)) - 1
-                if table.lookup(lo)[0] != 0 and table.lookup(b0 + 1)[0] != 0:
-                    continue  # speculating here already measures acceptance
-                useful = [o for o in spec
-                          if o.goodput()[b0] * hopeful[o.config] / o.tokens_per_step > g_off[b0]]
-                if useful:
-                    best = max(useful, key=lambda o: o.goodput()[b0])
-                    probes.append(Row(lo, hi, best.config))
-        have = {(r.min_batch, r.config) for r in rows}
-        out = list(rows) + [r for r in probes if (r.min_batch, r.config) not in have]
-        return tuple(sorted(out, key=lambda r: (r.min_batch, r.config))[:MAX_EXPLORE_ROWS])
+            end = min(hi, top)
+            chosen = [table.lookup(b) for b in range(lo, end + 1)]
+            add(lo, hi, cmpolicy.measuring_gain(options, chosen, lo, z=z, margin=margin,
+                                                tau_log_var=tau_log_var, candidates=cands, measured=measured))
+        if self._band_choices:
+            traffic: dict[tuple[int, int], float] = {}
+            for (_, lo, k), n in self.model.ctx_coverage().items():
+                traffic[(lo, k)] = traffic.get((lo, k), 0.0) + n
+            for k, opts, choices in self._band_choices:
+                band_lo, band_hi = ctx_band_range(k)
+                for lo, hi in regions(top):
+                    if traffic.get((lo, k), 0.0) < self.settings.min_region_samples:
+                        continue
+                    end = min(hi, top)
+                    add(lo, hi, cmpolicy.measuring_gain(opts, choices[lo - 1:end], lo, z=z, margin=margin,
+                                                        tau_log_var=tau_log_var, candidates=cands,
+                                                        measured=measured),
+                        min_ctx=band_lo, max_ctx=band_hi)
+        rows.sort(key=lambda r: (r.min_batch, r.config, -1 if r.min_ctx is None else r.min_ctx))
+        return tuple(rows[:MAX_EXPLORE_ROWS])
 
     def _model_summary(self, options: list[cmpolicy.Option], table: PolicyTable) -> dict[str, Any]:
         summary = self.model.summary(max_batch=max(1, self.model.max_observed_batch()))
@@ -740,9 +567,6 @@ class ControllerService:
         if table.explore:
             obj["explore"] = rows_to_obj(table.explore)
             obj["explore_period"] = table.explore_period
-        if table.challenge:
-            obj["challenge"] = rows_to_obj(table.challenge)
-            obj["challenge_period"] = table.challenge_period
         return wire.policy_from_obj(obj)
 
     def _persist_policy(self) -> None:

@@ -205,11 +205,11 @@ class TableEntry(_Strict):
 class PolicyRecord(_Versioned):
     """The batch-size -> configuration table, as published, persisted and printed.
 
-    `explore` (optional) lists batch-size ranges where a configuration lacks data; the engine
-    uses it on one step in `explore_period`, chosen by its step counter (same on every TP rank).
-    `challenge` (optional) lists ranges where a configuration looks better than the table's
-    choice by less than the daemon can tell from noise; the engine uses it on one step in
-    `challenge_period` (those steps the exploration rows leave).
+    `explore` (optional) lists batch-size ranges where a configuration is worth measuring (the
+    daemon's exploration rule); the engine uses it on one step in `explore_period`, chosen by its
+    step counter (same on every TP rank). `challenge` (optional; written by daemons before the one
+    exploration rule, still honoured) lists ranges used likewise on one step in `challenge_period`
+    (those steps the exploration rows leave).
     `table` rows naming `min_ctx` / `max_ctx` form context bands (see check_table_covers); an
     exploring or challenging row naming them covers only batches of that mean context.
     """

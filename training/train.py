@@ -100,7 +100,7 @@ def _service(max_batch: int, candidates: Optional[Sequence[Config]], clock: Call
     from ..controller.service import ControllerService, ServiceSettings
 
     kw: dict[str, Any] = dict(
-        mode="online", explore_period=0, challenge_period=0, max_batch=max_batch,
+        mode="online", explore_period=0, max_batch=max_batch,
         candidates=tuple(tuple(c) for c in candidates) if candidates else None, ctx_axis=ctx_axis,
     )
     # offline, every logged step and request counts the same: no time decay of any memory

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from specctl.controller import wire
-from specctl.controller.service import REFRESH_VALUES, ControllerService, ServiceSettings
+from specctl.controller.service import ControllerService, ServiceSettings
 from specctl.controller.state import StateStore
 from specctl.policies.table import PolicyTable
 from specctl.training.costmodel import FRESH_WARM
@@ -62,12 +62,17 @@ def test_new_version_only_when_table_changes():
     feed(svc, clock, truth, 8000, list(range(1, 50)))
     clock.t += 1
     svc.tick()
-    v = svc.policy.version
+    v, same = svc.policy.version, 0
     for i in range(5):
+        before = table(svc)
         feed(svc, clock, truth, 500, list(range(1, 50)), seed=10 + i)
         clock.t += 1
-        assert svc.tick() is None  # refits, same table, no heartbeat due
-    assert svc.policy.version == v and svc.num_refits >= 6
+        published = svc.tick()  # refits; no heartbeat due
+        after = table(svc)
+        changed = (after.rows, after.explore, after.bands) != (before.rows, before.explore, before.bands)
+        assert (published is not None) == changed and svc.policy.version == v + changed
+        v, same = svc.policy.version, same + (not changed)
+    assert same >= 3 and svc.num_refits >= 6  # the same data: mostly the same table
 
 
 def test_bad_frames_are_counted_by_reason_and_dropped():
@@ -212,10 +217,41 @@ def test_explores_configs_lacking_data():
     assert pol.explore and pol.explore_period == 64
     s1_rows = [r for r in pol.explore if r.config.key == (1, 1, 2)]  # s1 was never measured
     assert [(r.min_batch, r.max_batch) for r in s1_rows] == [(1, 1), (2, 3), (4, 7), (8, 15), (16, 31), (32, 63)]
-    # acceptance probes (s3, the measured chain) only where the table decodes plainly
+    # s3, measured and chosen at small batches, is measured where the table decodes plainly only
     t = table(svc)
     probes = [r for r in pol.explore if r.config.key == (3, 1, 4)]
     assert all(t.lookup(r.max_batch) == (0, 1, 1) for r in probes)
+    assert (1, 1) not in [(r.min_batch, r.max_batch) for r in probes]
+
+
+@pytest.mark.parametrize("per_region", [1, 2, 0])
+def test_the_configurations_with_the_largest_bound_share_a_regions_exploring_steps(per_region):
+    """Three candidates, one (s1) never measured: in each region the exploring steps go to the
+    `explore_per_region` configurations worth measuring with the largest bound, s1 (no bound at all)
+    first; 0 = every one worth measuring."""
+    clock = Clock()
+    cands = ((0, 1, 1), (1, 1, 2), (3, 1, 4))
+    everyone = ControllerService(ServiceSettings(refit_interval_s=1, candidates=cands, explore_per_region=0),
+                                 clock=Clock())
+    svc = ControllerService(ServiceSettings(refit_interval_s=1, candidates=cands, explore_per_region=per_region),
+                            clock=clock)
+    for r in generate(truth_with_crossover(20), num_steps=6000, batch_sizes=list(range(1, 40)), seed=0,
+                      t0=clock.t):
+        clock.t = everyone.clock.t = r["ts"]
+        svc.observe_frame(json.dumps(r).encode())
+        everyone.observe_frame(json.dumps(r).encode())
+    clock.t += 1
+    everyone.clock.t = clock.t
+    svc.tick(), everyone.tick()
+    by_region, all_rows = {}, {}
+    for r in svc.policy.explore:
+        by_region.setdefault(r.min_batch, []).append(r.config.key)
+    for r in everyone.policy.explore:
+        all_rows.setdefault(r.min_batch, []).append(r.config.key)
+    assert set(by_region) == set(all_rows) and len(by_region) == 6
+    for lo, configs in by_region.items():
+        assert (1, 1, 2) in configs and set(configs) <= set(all_rows[lo])
+        assert len(configs) == (min(per_region, len(all_rows[lo])) if per_region else len(all_rows[lo]))
 
 
 def test_a_step_time_curve_is_trusted_up_to_twice_its_largest_measured_batch():
@@ -297,22 +333,22 @@ def test_a_flood_of_distinct_configurations_is_bounded():
     assert len(svc.policy.explore or []) <= 256
 
 
-@pytest.mark.parametrize("crossover, z, explored", [
-    (8, 3.0, False),  # s3 at batch 40 is 3x worse than plain decode: 4 samples settle it
-    (8, 0.0, True),   # backoff off: explored until min_region_samples
-    (38, 3.0, True),  # a near tie (and s3 chosen lower in the region): keep measuring
+@pytest.mark.parametrize("crossover, steps_at_40, explored", [
+    (8, 4, False),  # s3 at batch 40 is 3x worse than plain decode: 4 steps settle it
+    (38, 4, True),  # a near tie (and s3 chosen lower in the region): keep measuring
+    (8, 0, True),   # s3 never measured near 40: nothing bounds it there
 ])
-def test_exploration_stops_where_the_evidence_is_decisive(crossover, z, explored):
+def test_exploration_stops_where_the_evidence_is_decisive(crossover, steps_at_40, explored):
     from specctl.training.synth import GroundTruth
 
     clock = Clock()
     cands = ((0, 1, 1), (3, 1, 4))
-    svc = ControllerService(ServiceSettings(refit_interval_s=1, candidates=cands, explore_decided_z=z),
-                            clock=clock)
+    svc = ControllerService(ServiceSettings(refit_interval_s=1, candidates=cands), clock=clock)
     off, s3 = truth_with_crossover(crossover).configs
     feed(svc, clock, GroundTruth((off,)), 6000, list(range(1, 41)))
     feed(svc, clock, GroundTruth((s3,)), 3000, list(range(1, 8)), seed=1)
-    feed(svc, clock, GroundTruth((s3,)), 4, [40], seed=2)  # a few exploring steps at batch 40
+    if steps_at_40:
+        feed(svc, clock, GroundTruth((s3,)), steps_at_40, [40], seed=2)  # exploring steps at batch 40
     clock.t += 1
     svc.tick()
     rows = {(r.min_batch, r.max_batch) for r in (svc.policy.explore or []) if r.config.key == (3, 1, 4)}
@@ -399,7 +435,7 @@ def test_a_stationary_near_tie_does_not_churn_the_table():
     assert churn <= 8 < 24 <= churn_margin_only, (churn, churn_margin_only)  # 3 minutes of traffic
     # a 2% lead on a minute of traffic is evidence: s3 everywhere, and it stays
     churn, last = _table_changes(_near_tie(0.02), switch_z=2.0)
-    assert churn == 0 and last.configs() == [(3, 1, 4)]
+    assert churn == 0 and {r.config for r in last.rows} == {(3, 1, 4)}
 
 
 def test_a_tree_competes_with_plain_decode_and_is_probed_where_plain_decode_runs():
@@ -466,81 +502,81 @@ def _closed_loop(svc, clock, seconds, step_ms, tau, seed, batch=4, start_ms=None
     return ran
 
 
-@pytest.mark.parametrize("refresh_s, back_to_plain", [(60.0, True), (0.0, False)])
-def test_a_configuration_left_on_high_step_times_is_measured_again(refresh_s, back_to_plain):
+@pytest.mark.parametrize("idle_s, back_to_plain", [(1200.0, True), (0.0, False)])
+def test_a_configuration_left_on_high_step_times_is_measured_again_as_its_values_age(idle_s, back_to_plain):
     """Plain decode ran slowly for a while (2.9 ms at batch 4), long enough to be measured and
-    dropped for s2 (2.2 tokens per 5 ms step); then the engine became fast again (2.0 ms), which
-    only exploring steps can show. Plain decode is 14% better than s2 at batch 4 then. Its
-    exploration row returns refresh_s after its last values, and its exploring steps stand for
-    it once there are FRESH_WARM of them: the engine goes back to plain decode. Without the
-    refresh the old median stands for good."""
+    dropped for s2 (2.2 tokens per 5 ms step: 28% ahead); then the engine became fast again
+    (2.0 ms), which only exploring steps can show. Plain decode is 14% better than s2 at batch 4
+    then. Its old values decided the comparison, but they age: after 20 minutes (here an idle
+    engine's) their standard error covers the 28%, plain decode is measured again, and its
+    exploring steps stand for it once there are FRESH_WARM of them: the engine goes back to
+    plain decode. Two minutes after it was left, it is still decided against."""
     off, s2 = (0, 1, 1), (2, 1, 3)
     clock = Clock()
-    svc = ControllerService(ServiceSettings(refit_interval_s=1, candidates=(off, s2), fixed_config=s2,
-                                            refresh_s=refresh_s), clock=clock)
-    assert ServiceSettings().refresh_s == 120.0
+    svc = ControllerService(ServiceSettings(refit_interval_s=1, candidates=(off, s2), fixed_config=s2),
+                            clock=clock)
     step_ms, tau = {off: 2.0, s2: 5.0}, {s2: 2.2}
     _closed_loop(svc, clock, 20, step_ms, tau, seed=1, start_ms=2.9, start_steps=2000)
     assert table(svc).lookup(4) == s2
-    before = _closed_loop(svc, clock, 90, step_ms, tau, seed=2)
-    after = _closed_loop(svc, clock, 40, step_ms, tau, seed=3)
+    _closed_loop(svc, clock, 30, step_ms, tau, seed=2)
+    assert all(r.config.key != off for r in (svc.policy.explore or []))  # decided
+    clock.t += idle_s
+    before = _closed_loop(svc, clock, 90, step_ms, tau, seed=3)
+    after = _closed_loop(svc, clock, 40, step_ms, tau, seed=4)
     if back_to_plain:
-        # the exploring steps before the switch: FRESH_WARM to stand for the cell, at most
-        # REFRESH_VALUES in refresh_s
         switch = next(i for i in range(len(before)) if before[i:i + 10] == [off] * 10)
-        probes = before[:switch].count(off)
-        assert FRESH_WARM <= probes <= REFRESH_VALUES, probes
+        assert FRESH_WARM <= before[:switch].count(off) <= 4 * FRESH_WARM, before[:switch].count(off)
         assert after.count(off) >= 0.8 * len(after)  # the table's noise aside, plain decode
     else:
         assert before.count(off) == after.count(off) == 0  # nothing measured plain decode again
 
 
-@pytest.mark.parametrize("decided_z, row", [
-    (3.0, False),   # at 32-63 s3 has values only at 48, where plain decode wins by 27%
-    (30.0, True),   # a bound wide enough to leave 48 open: the row is there
+@pytest.mark.parametrize("step_drift, off_steps, row", [
+    (0.1, 500, False),     # at 32-63 s3 has values only at 48, where plain decode wins by 27%
+    (50.0, 500, True),     # step times aging this fast leave 48 open: the row is there
+    # minutes later s3's acceptance has not been measured for many half-lives: with all its
+    # drafts accepted it would win at 48, so it is worth a step again
+    (0.1, 20000, True),
 ])
-def test_a_left_configuration_is_measured_again_only_where_its_own_values_leave_it_in_the_running(decided_z, row):
+def test_a_left_configuration_is_measured_again_only_where_its_own_values_leave_it_in_the_running(
+        step_drift, off_steps, row):
     """Between its measured batch sizes a configuration's prediction is an interpolation whose
     standard error spans the whole gap: judged there, s3 at 32-47 (measured at 2 and 48) would
-    look undecided and be probed on every exploring step, each 3.6x a plain step here."""
+    look undecided and be probed on every exploring step, each 3.6x a plain step here. It is
+    judged where it has values of its own, and measured again as those values (step time or
+    acceptance) age."""
     from specctl.training.synth import GroundTruth
 
     clock = Clock()
     svc = ControllerService(ServiceSettings(refit_interval_s=1, candidates=((0, 1, 1), (3, 1, 4)),
-                                            explore_decided_z=decided_z), clock=clock)
+                                            step_drift=step_drift), clock=clock)
     off, s3 = truth_with_crossover(24).configs
     feed(svc, clock, GroundTruth((off,)), 4000, list(range(1, 64)))
     feed(svc, clock, GroundTruth((s3,)), 3000, [2, 48], seed=1)
-    # two minutes of plain decode at 40: s3's values at 32-63 are older than refresh_s
-    feed(svc, clock, GroundTruth((off,)), 20000, [40], seed=2)
+    t0 = clock.t
+    feed(svc, clock, GroundTruth((off,)), off_steps, [40], seed=2)  # plain decode at 40 for a while
     clock.t += 1
     svc.tick()
     assert table(svc).lookup(40) == (0, 1, 1)
     rows = {(r.min_batch, r.config.key) for r in (svc.policy.explore or [])}
-    assert ((32, (3, 1, 4)) in rows) == row, rows
+    assert ((32, (3, 1, 4)) in rows) == row, (rows, clock.t - t0)
 
 
-@pytest.mark.parametrize("cv, seed, accepted, period, table_at_4, challenged", [
-    (0.05, 0, [1, 1, 1, 0], 16, "off", True),   # s1 4% ahead on 4 acceptances a second: held, challenged
-    (0.05, 0, [1, 1, 1, 0], 0, "off", False),   # challenging switched off
-    # held alike (on this seed), but a median of FRESH_WARM steps would be ~10% off: no
-    (0.30, 3, [1, 1, 1, 0], 16, "off", False),
-    (0.05, 0, [1, 1, 0, 0], 16, "off", False),  # s1 10% behind: nothing to challenge
-    (0.05, 0, [1, 1, 1, 1], 16, "s1", False),   # s1 19% ahead: it simply wins
+@pytest.mark.parametrize("cv, accepted, table_at_4, measured", [
+    (0.05, [1, 1, 1, 0], "off", True),   # s1 4% ahead on 4 acceptances a second: held, kept measured
+    (0.05, [1, 1, 1, 1], "s1", False),   # s1 19% ahead: it simply wins, plain decode is decided
 ])
-def test_a_configuration_held_back_by_the_tolerance_is_challenged(cv, seed, accepted, period, table_at_4,
-                                                                  challenged):
+def test_a_configuration_held_back_by_the_tolerance_keeps_being_measured(cv, accepted, table_at_4, measured):
     """Plain decode runs at batch 4 (25 ms) and s1 (42 ms) is measured once a second, as
     exploring steps measure it on a slow engine. At first s1 accepts 2 drafts of 4 and the table
     takes plain decode; then 3 of 4: s1 leads by 4%, within the tolerance its thin acceptance
-    leaves (capped at 5%). The table keeps plain decode, and s1 gets one step in
-    `challenge_period` at 4-7 until that is settled."""
+    leaves (capped at 5%). The table keeps plain decode, and s1 stays among the configurations
+    worth measuring at 4-7 until that is settled."""
     off, s1 = (0, 1, 1), (1, 1, 2)
     clock = Clock()
     svc = ControllerService(ServiceSettings(refit_interval_s=1, candidates=(off, s1), fixed_config=s1,
-                                            threshold=1, challenge_period=period), clock=clock)
-    assert ServiceSettings().challenge_period == 16
-    rng = np.random.default_rng(seed)
+                                            threshold=1), clock=clock)
+    rng = np.random.default_rng(0)
     sigma = np.sqrt(np.log1p(cv ** 2))
     for second in range(80):
         for i in range(40):
@@ -553,9 +589,9 @@ def test_a_configuration_held_back_by_the_tolerance_is_challenged(cv, seed, acce
         if second == 19:
             assert table(svc).lookup(4) == off
     assert table(svc).lookup(4) == {"off": off, "s1": s1}[table_at_4]
-    rows = [(r.min_batch, r.max_batch, r.config.key) for r in (svc.policy.challenge or [])]
-    assert rows == ([(4, 7, s1)] if challenged else [])
-    assert svc.policy.challenge_period == (16 if challenged else None)
+    rows = [(r.min_batch, r.max_batch, r.config.key) for r in (svc.policy.explore or [])]
+    assert ((4, 7, s1) in rows) == measured and (4, 7, off) not in rows, rows
+    assert svc.policy.challenge is None
 
 
 # ------------------------------------------------------------------------- context bands
