@@ -28,6 +28,21 @@ def _parse_config(ctx: click.Context, param: click.Parameter, value: Optional[st
         raise click.BadParameter(str(e)) from None
 
 
+def _parse_metrics(ctx: click.Context, param: click.Parameter, value: Optional[str]):
+    """'[HOST:]PORT' -> (host, port); IPv6 hosts in brackets ('[::1]:9090')."""
+    if not value:
+        return None
+    host, sep, port = value.rpartition(":")
+    host = host.strip("[]") if sep else "127.0.0.1"
+    try:
+        p = int(port)
+    except ValueError:
+        raise click.BadParameter(f"{value!r}: expected [HOST:]PORT, e.g. 9464 or 0.0.0.0:9464") from None
+    if not 0 < p < 65536 or not host:
+        raise click.BadParameter(f"{value!r}: expected [HOST:]PORT with a port in 1..65535")
+    return host, p
+
+
 def _parse_configs(ctx: click.Context, param: click.Parameter, value: Optional[str]):
     if not value:
         return None
@@ -81,26 +96,11 @@ def main(log_level: str) -> None:
               help="Seconds between refits.")
 @click.option("--heartbeat", default=2.0, show_default=True, type=click.FloatRange(min=0.01),
               help="Seconds between re-publications of an unchanged policy.")
-@click.option("--half-life", default=600.0, show_default=True, type=click.FloatRange(min=1.0),
-              help="Seconds after which a step-time measurement counts half.")
-@click.option("--accept-half-life", default=8.0, show_default=True, type=click.FloatRange(min=1.0),
-              help="Seconds after which an acceptance measurement counts half.")
-@click.option("--accept-change-z", default=3.0, show_default=True, type=click.FloatRange(min=0.0),
-              help="Two seconds in a row this many standard errors off the acceptance history replace "
-                   "it (a traffic shift); 0 = follow shifts at the --accept-half-life pace only.")
-@click.option("--explore-decided-z", default=3.0, show_default=True, type=click.FloatRange(min=0.0),
-              help="Stop exploring a configuration in a batch region once its measured step time puts it "
-                   "this many standard errors from winning there; 0 = explore until the region has data.")
-@click.option("--refresh-s", default=120.0, show_default=True, type=click.FloatRange(min=0.0),
-              help="Measure again, on exploring steps, a configuration the table left in a batch region "
-                   "where it could still win, once it has had fewer than 32 step times there over this "
-                   "many seconds; 0 = never (its last measurements then stand for it).")
 @click.option("--switch-z", default=2.0, show_default=True, type=click.FloatRange(min=0.0),
-              help="Move a table boundary, or keep an island, only where the better configuration's goodput "
-                   "lead exceeds this many standard errors (acceptance and step time); 0 = the 1% margin alone.")
-@click.option("--max-margin", default=0.05, show_default=True, type=click.FloatRange(min=0.0, max=1.0),
-              help="The most a configuration may look worse than the best and still be kept, however "
-                   "uncertain the estimates.")
+              help="The uncertainty acted on, in standard errors of a goodput difference (acceptance and "
+                   "step time): a table boundary moves only where the better configuration leads by more, "
+                   "and a configuration is measured while it may lead the table's choice by more than 1% "
+                   "within it; 0 = the 1% margin alone, and only predicted wins measured.")
 @click.option("--mode", type=click.Choice(["online", "fixed"]), default="online", show_default=True)
 @click.option("--threshold", default=5, show_default=True, type=click.IntRange(min=1),
               help="Fixed mode and fallback: plain decode from this batch size up.")
@@ -110,13 +110,11 @@ def main(log_level: str) -> None:
               help="Configurations the engines have runtime states for, e.g. 'off,s1,s3' or "
                    "'0,1,1 3,1,4' (default: those seen in telemetry). See `specctl sglang-args`.")
 @click.option("--explore-period", default=64, show_default=True, type=int,
-              help="One exploring step in N where a configuration lacks data (0 = never; >= 50).")
-@click.option("--challenge-period", default=16, show_default=True, type=int,
-              help="One step in N runs a configuration that looks better than the table's choice by less "
-                   "than --switch-z standard errors, until that is settled; only on engines whose step "
-                   "times are steady enough (0 = never; >= 8).")
-@click.option("--metrics-port", type=int, help="Serve Prometheus /metrics on this port.")
-@click.option("--metrics-host", default="127.0.0.1", show_default=True)
+              help="The exploration budget: one step in N runs a configuration worth measuring (unmeasured, "
+                   "thinly or long ago measured, or within --switch-z standard errors of winning); "
+                   "0 = never; >= 50.")
+@click.option("--metrics", "metrics_addr", callback=_parse_metrics, metavar="[HOST:]PORT",
+              help="Serve Prometheus /metrics here (HOST defaults to 127.0.0.1).")
 @click.option("--init-policy", type=click.Path(exists=True, dir_okay=False),
               help="Policy file (specctl train) to start from when the state dir holds none.")
 @click.option("--record", type=click.Path(file_okay=False), help="Record accepted telemetry here (rotating .jsonl.gz).")
@@ -129,17 +127,13 @@ def main(log_level: str) -> None:
 @click.option("--ctx-axis/--no-ctx-axis", default=True, show_default=True,
               help="Where telemetry carries ctx_tokens and step time depends on it, publish a table per "
                    "band of mean context per request (--no-ctx-axis: one table for any context).")
-@click.option("--gap-term/--no-gap-term", default=False, show_default=True,
-              help="Experimental: price the time between decode steps (prefill iterations) per "
-                   "configuration where telemetry measured it for two or more (default: decode forwards only).")
 @click.option("--shed-when-behind", is_flag=True,
               help="When telemetry arrives faster than it can be fitted, fit every other record "
                    "(counted as shed) instead of back-pressuring the senders.")
-def serve(telemetry, publish, status_ep, state_dir, refit_interval, heartbeat, half_life,
-          accept_half_life, accept_change_z, explore_decided_z, refresh_s, switch_z, max_margin, mode,
-          threshold, fixed_config, configs, explore_period, challenge_period, metrics_port, metrics_host, init_policy,
+def serve(telemetry, publish, status_ep, state_dir, refit_interval, heartbeat, switch_z, mode,
+          threshold, fixed_config, configs, explore_period, metrics_addr, init_policy,
           record, record_max_mb, curve_secret_key, curve_allowed_dir, insecure,
-          ctx_axis, gap_term, shed_when_behind) -> None:
+          ctx_axis, shed_when_behind) -> None:
     """Run the sidecar daemon: ingest telemetry, fit, publish the policy."""
     from .daemon import Daemon, Endpoints, serve_forever
     from .metrics import Metrics
@@ -153,12 +147,8 @@ def serve(telemetry, publish, status_ep, state_dir, refit_interval, heartbeat, h
     try:
         svc_settings = ServiceSettings(mode=mode, threshold=threshold, fixed_config=fixed_config,
                                        refit_interval_s=refit_interval, heartbeat_s=heartbeat,
-                                       half_life_s=half_life, accept_half_life_s=accept_half_life,
-                                       accept_change_z=accept_change_z, explore_decided_z=explore_decided_z,
-                                       refresh_s=refresh_s, switch_z=switch_z, max_margin=max_margin,
-                                       candidates=configs,
-                                       explore_period=explore_period, challenge_period=challenge_period,
-                                       ctx_axis=ctx_axis, gap_term=gap_term)
+                                       switch_z=switch_z, candidates=configs,
+                                       explore_period=explore_period, ctx_axis=ctx_axis)
     except ValueError as e:
         raise click.UsageError(str(e)) from None
     store = StateStore(state_dir or _settings.state_base(env))
@@ -183,6 +173,7 @@ def serve(telemetry, publish, status_ep, state_dir, refit_interval, heartbeat, h
                                 init_policy=init)
     for problem in store.problems:
         click.echo(f"state: {problem}", err=True)
+    metrics_host, metrics_port = metrics_addr or ("127.0.0.1", None)
     try:
         daemon = Daemon(service, eps, keys=keys, insecure=insecure, metrics_port=metrics_port,
                         metrics_host=metrics_host, shed_when_behind=shed_when_behind)

@@ -57,6 +57,7 @@ class Daemon:
             self._close_sockets()
             raise
         self.metrics_server = None
+        self.metrics_addr = (metrics_host, metrics_port)
         if metrics_port is not None:
             if metrics_host not in ("127.0.0.1", "localhost", "::1") and not insecure:
                 raise transport.TransportError(

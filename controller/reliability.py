@@ -631,7 +631,7 @@ def load_test(workdir: str | os.PathLike[str], *, ranks: int = 64, rate_per_rank
     work = Path(workdir)
     eps = _private_endpoints(work / "run")
     mport = free_port()
-    extra = ["--metrics-port", str(mport), "--refit-interval", "5", "--configs", "off s1 s3"]
+    extra = ["--metrics", str(mport), "--refit-interval", "5", "--configs", "off s1 s3"]
     if shed:
         extra.append("--shed-when-behind")
     p = ServeProcess(eps, work / "state", *extra).start(ctx)

@@ -60,7 +60,7 @@ def main(argv: list[str]) -> int:
             if r.get("kind") == "step":
                 lines.append((float(r["ts"]), ln))
     lines.sort(key=lambda x: x[0])
-    on = replay_into(lines, ServiceSettings(gap_term=True))  # specctl serve --gap-term
+    on = replay_into(lines, ServiceSettings(gap_term=True))  # the service setting gap_term (an experiment)
     off = replay_into(lines, ServiceSettings())
     gaps = {name: c.get("gaps") for name, c in on.model.summary()["configs"].items() if c.get("gaps")}
     out = {"steps": len(lines), "gaps": gaps, "table_with_gap_term": table(on), "table_without": table(off)}

@@ -122,8 +122,6 @@ def _parse_policy(pol):
         return {"kind": pol}
     if pol == "specctl-noctx":  # specctl with its daemon on --no-ctx-axis: one table for any context
         return {"kind": "specctl", "ctx_axis": False}
-    if pol == "specctl-gap":  # specctl with its daemon on --gap-term: the time between decode steps priced
-        return {"kind": "specctl", "gap_term": True}
     parts = pol.split(":")
     if parts[0] == "specctl" and len(parts) == 2:  # specctl choosing among off, its launch chain and a tree
         c = parse_config(parts[1])

@@ -22,8 +22,8 @@ With --phase-set alternating the phases are ALT_PHASES: the prompts alternate be
 prompts.long_prompts), at concurrencies between the two spec->off crossovers; compare `specctl` with
 `specctl-noctx` (the same plugin, its daemon on --no-ctx-axis: one table for any context) with --interleave
 --phase-repeats N: the servers take turns, and OUT/bench-<variant>.json gets `phase_pairs` (specctl ÷
-specctl-noctx, run by run) and, per plugin policy, `table_flaps` of its last policy. `specctl-gap`: the same plugin,
-its daemon on --gap-term (the time between decode steps priced per configuration; experimental).
+specctl-noctx, run by run) and, per plugin policy, `table_flaps` of its last policy. (`specctl-gap`, the daemon
+pricing the time between decode steps, ran on 2026-12-03 and is gone with `specctl serve --gap-term`.)
 
 Policies: off | static:sN | threshold:T:sN (SGLang adaptive with slots {"1": [N], "T": [0]}: N steps below
 batch size T, steps 0 from T up; SGLang pads a batch to a CUDA-graph size before the slot lookup; with
@@ -609,8 +609,6 @@ def main():
             extra = () if kind == "specctl" else ("--mode", "fixed")
             if pp.get("ctx_axis") is False:
                 extra += ("--no-ctx-axis",)
-            if pp.get("gap_term"):
-                extra += ("--gap-term",)
             if configs:  # a tree: the daemon's fallback is the plugin's (the tree below the threshold)
                 extra += ("--config", ",".join(map(str, pp["config"])), "--threshold", str(pp.get("threshold", 5)))
             side = SC.Daemon(rundir=rundir, state_dir=f"/tmp/specctl-state-{port}", site=site,

@@ -70,8 +70,6 @@ def test_table_flaps_count_speculating_rows_after_plain_decode():
                      {"min_batch": 1, "config": s3, "min_ctx": 1024}, {"min_batch": 14, "config": off, "min_ctx": 1024}]}
     assert B.policy_flaps(pol) == {"any": 1, "0-1023": 0, "1024+": 0}
     assert B.parse_policy("specctl-noctx") == {"kind": "specctl", "ctx_axis": False}
-    assert B.parse_policy("specctl-gap") == {"kind": "specctl", "gap_term": True}
-    assert B.policy_launch_args("specctl-gap", "/d") == B.policy_launch_args("specctl", "/d")
     assert B.policy_launch_args("specctl-noctx", "/d") == B.policy_launch_args("specctl", "/d")  # the same server
 
 

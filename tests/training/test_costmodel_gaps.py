@@ -93,7 +93,7 @@ def test_state_round_trip_and_states_without_gaps():
 @pytest.mark.parametrize("measured, gap_term, expect", [
     ({OFF: 8.0}, True, {OFF: 0.0, S2: 0.0}),            # one measured: no comparison, no term
     ({OFF: 8.0, S2: 20.0}, True, {OFF: 8.0, S2: 20.0}),
-    ({OFF: 8.0, S2: 20.0}, False, {OFF: 0.0, S2: 0.0}),  # the default (no --gap-term)
+    ({OFF: 8.0, S2: 20.0}, False, {OFF: 0.0, S2: 0.0}),  # the default (gap_term off)
     ({}, True, {OFF: 0.0, S2: 0.0}),
 ])
 def test_the_service_prices_gaps_only_where_two_configurations_have_them(measured, gap_term, expect):
