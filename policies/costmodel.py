@@ -237,11 +237,13 @@ def measuring_gain(options: Sequence[Option], chosen: Sequence[Config], lo: int,
     region's gain is the largest over its batch sizes where c is not the choice (c runs, and is
     measured, where it is) and, where `measured` names batch sizes c has step times at there, over
     those only: between them its prediction interpolates, with an error spanning the whole gap,
-    and exploring steps come at the traffic's batch sizes anyway. inf: nothing to compare there, i.e. c, or the choice, has no trusted
-    prediction at some batch size (never measured, or only by a long extrapolation);
-    `candidates` not among `options` (no step time or no acceptance yet) get inf too. A gain > 0
-    means the data cannot rule out that c beats the choice by more than `margin`: the daemon
-    measures it (controller.service). With z = 0 only a predicted win counts."""
+    and exploring steps come at the traffic's batch sizes anyway.
+
+    inf: nothing to compare there, i.e. c, or the choice, has no trusted prediction at some batch
+    size (never measured, or only by a long extrapolation); `candidates` not among `options` (no
+    step time or no acceptance yet) get inf too. A gain > 0 means the data cannot rule out that c
+    beats the choice by more than `margin`: the daemon measures it (controller.service). With
+    z = 0 only a predicted win counts."""
     idx = {o.config: i for i, o in enumerate(options)}
     n = len(chosen)
     out: dict[Config, float] = {c: float("inf") for c in candidates if c not in idx and c not in chosen}

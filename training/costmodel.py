@@ -1036,11 +1036,11 @@ class CostModel:
         - Age: a step time measured a while ago may have moved since (clocks, thermals, another
           tenant, a driver): its standard error grows by step_drift per half-life of the age of
           the cell's newest value, linearly (such changes are slow trends that persist, not
-          jitter: seconds add next to nothing, ten minutes 10% with the default). Without it a configuration the table left
-          keeps the certainty of its last measurement for good and is never measured again; with
-          it, a comparison the data once decided opens again as its evidence ages (the exploration
-          rule, policies.costmodel.measuring_gain, then measures it) and the switch tolerance of a
-          long-unmeasured configuration widens up to its cap.
+          jitter: seconds add next to nothing, ten minutes 10% with the default). Without it a
+          configuration the table left keeps the certainty of its last measurement for good and
+          is never measured again; with it, a comparison the data once decided opens again as its
+          evidence ages (the exploration rule, policies.costmodel.measuring_gain, then measures
+          it) and the switch tolerance of a long-unmeasured configuration widens up to its cap.
         The noise part is 0 while the engine's noise is unknown. The thin part is the noise part
         of the batch sizes with fewer than MIN_SETTLED values only (nothing else)."""
         bs = np.asarray(batch_sizes, dtype=float)

@@ -388,10 +388,11 @@ def test_acceptance_not_measured_for_a_while_gets_a_wider_estimate_and_a_few_pro
     m.partial_fit(_chain_steps(easy, 0.1, 70.0, batch=4, steps_per_s=20, seed=1))  # two probing steps
     assert m.tau_log_diff_var([OFF, S3])[0, 1] > 0.5 * v40
     # offline (no decay), age means nothing
-    off = CostModel(half_life_s=float("inf"), accept_half_life_s=float("inf")).fit(steady + plain)
-    assert off.tau_log_diff_var([OFF, S3])[0, 1] == pytest.approx(
-        CostModel(half_life_s=float("inf"), accept_half_life_s=float("inf")).fit(steady).tau_log_diff_var([OFF, S3])[0, 1],
-        rel=0.01)
+    def offline():
+        return CostModel(half_life_s=float("inf"), accept_half_life_s=float("inf"))
+
+    later = offline().fit(steady + plain).tau_log_diff_var([OFF, S3])[0, 1]
+    assert later == pytest.approx(offline().fit(steady).tau_log_diff_var([OFF, S3])[0, 1], rel=0.01)
 
 
 def test_step_time_standard_error_counts_noise_gaps_and_extrapolation():
