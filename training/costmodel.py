@@ -154,30 +154,31 @@ class _TimeCell:
     recent_ctx: deque = field(default_factory=lambda: deque(maxlen=RING))
     warm_ctx: deque = field(default_factory=lambda: deque(maxlen=RING))
 
-    def settled(self) -> tuple[Sequence[float], float]:
-        """The values the cell's median is taken over, and the decayed weight behind them."""
+    def _settled_from(self) -> tuple[bool, int]:
+        """Which values stand for the cell: (the post-switch ones?, how many of the newest; 0 = all)."""
         fresh = min(self.warm_since_steady, len(self.warm))
         if fresh >= FRESH_WARM:
-            return list(itertools.islice(self.warm, len(self.warm) - fresh, None)), self.warm_weight
-        if len(self.recent) >= MIN_SETTLED or not self.warm:
-            return self.recent, self.weight
-        return self.warm, self.warm_weight
+            return True, fresh
+        return (len(self.recent) < MIN_SETTLED and bool(self.warm)), 0
+
+    def settled(self) -> tuple[Sequence[float], float]:
+        """The values the cell's median is taken over, and the decayed weight behind them."""
+        warm, newest = self._settled_from()
+        values = self.warm if warm else self.recent
+        if newest:
+            values = list(itertools.islice(values, len(values) - newest, None))  # type: ignore[assignment]
+        return values, (self.warm_weight if warm else self.weight)
 
     def settled_newest_ts(self) -> float:
         """The timestamp of the newest value `settled` returns (-inf: none)."""
-        fresh = min(self.warm_since_steady, len(self.warm))
-        if fresh >= FRESH_WARM or (len(self.recent) < MIN_SETTLED and self.warm):
-            return self.warm_ts[-1] if self.warm_ts else -math.inf
-        return self.recent_ts[-1] if self.recent_ts else -math.inf
+        stamps = self.warm_ts if self._settled_from()[0] else self.recent_ts
+        return stamps[-1] if stamps else -math.inf
 
     def settled_ctx(self) -> Sequence[float]:
         """The ctx_tokens of the values `settled` returns, in the same order."""
-        fresh = min(self.warm_since_steady, len(self.warm))
-        if fresh >= FRESH_WARM:
-            return list(itertools.islice(self.warm_ctx, len(self.warm_ctx) - fresh, None))
-        if len(self.recent) >= MIN_SETTLED or not self.warm:
-            return self.recent_ctx
-        return self.warm_ctx
+        warm, newest = self._settled_from()
+        ctx = self.warm_ctx if warm else self.recent_ctx
+        return list(itertools.islice(ctx, len(ctx) - newest, None)) if newest else ctx
 
     def values_since(self, ts: float, enough: int) -> int:
         """How many values (steady or not) are stamped at or after ts, counting up to `enough`."""
