@@ -352,7 +352,8 @@ class ControllerService:
             derived = cmpolicy.derive(options, previous=current if self.policy.source == "online" else None,
                                       margin=self.settings.margin, default=base, z=z,
                                       max_margin=self.settings.max_margin, tau_log_var=tau_log_var)
-            bands = self.ctx_bands(options, derived, current if self.policy.source == "online" else None)
+            bands = self.ctx_bands(options, derived, current if self.policy.source == "online" else None,
+                                   tau_log_var=tau_log_var)
             explore = self._explore_rows(derived, options, tau_log_var)
             table = PolicyTable(rows=derived.rows, explore=explore,
                                 explore_period=self.settings.explore_period if explore else 0, bands=bands)
@@ -388,7 +389,8 @@ class ControllerService:
         return changed
 
     def ctx_bands(self, options: list[cmpolicy.Option], table: PolicyTable,
-                  previous: Optional[PolicyTable] = None, *, z: Optional[float] = None) -> tuple[Band, ...]:
+                  previous: Optional[PolicyTable] = None, *, z: Optional[float] = None,
+                  tau_log_var: Optional[np.ndarray] = None) -> tuple[Band, ...]:
         """The table per band of mean context per request, where step time depends on the context.
 
         Bands are powers of 2 of the mean context (policies.table.ctx_band_index), from the lowest to
@@ -403,7 +405,7 @@ class ControllerService:
         bands choose alike. `self.band_summary` keeps what `policy show` prints per band, and
         `self._band_choices` each band's options and choices before merging (what the exploration
         rule compares with there). `z`: the tolerance's standard errors, if not `switch_z` (`specctl
-        train` chooses with 0)."""
+        train` chooses with 0); `tau_log_var`: the options' acceptance variance, if already computed."""
         self.band_summary = []
         self._band_choices = []
         if not self.settings.ctx_axis or not options or not self.model.has_ctx():
@@ -415,7 +417,8 @@ class ControllerService:
         if not seen:
             return ()
         z = self.settings.switch_z if z is None else z
-        tau_log_var = self.model.tau_log_diff_var([o.config for o in options]) if z > 0 else None
+        if tau_log_var is None and z > 0:  # refit passes the one it computed for the same options
+            tau_log_var = self.model.tau_log_diff_var([o.config for o in options])
         b = np.arange(1, len(options[0].step_ms) + 1)
         gaps = self.gap_ms([o.config for o in options], b)
         gse = self.gap_se([o.config for o in options], b, gaps)
