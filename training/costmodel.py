@@ -276,11 +276,14 @@ class _AcceptCell:
     ts_w: float = 0.0
     ts_mean: float = 0.0
 
-    def fold(self, change_z: float = 0.0) -> Optional[float]:
+    def fold(self, change_z: float = 0.0, ref: Optional[list] = None) -> Optional[float]:
         """Fold the gathered second into the history. With `change_z` > 0, two folded seconds in
-        a row whose mean accepted drafts sit more than `change_z` standard errors from the
-        history, on the same side, mean the traffic has changed: the history is replaced by
-        those two seconds. Returns the factor the history's weight shrank by then, else None."""
+        a row whose mean accepted drafts sit more than `change_z` standard errors from what the
+        model believed, on the same side, mean the traffic has changed: the history is replaced
+        by those two seconds. What the model believed is `ref` (a histogram over this cell's
+        accepted counts; for chains the pooled evidence of every chain at least as long, see
+        CostModel._accept_ref), else this cell's own history. Returns the factor the believed
+        evidence's weight shrank by then (at most 1), else None."""
         p = self.pend
         if p is None:
             return None
@@ -290,12 +293,13 @@ class _AcceptCell:
             f = self.pend_wa * min(1.0, self.cap() / n)
             add = [x * f for x in p]
             if change_z > 0:
-                sign = self._deviation(p, n, change_z)
+                base = self.hist if ref is None else ref
+                sign = self._deviation(p, n, change_z, base)
                 if sign and self.flagged is not None and self.flagged[0] == sign:
-                    before = sum(self.hist)
+                    before = sum(base)
                     self.hist = list(self.flagged[1])
                     self.sq, self.q = _moments(self.flagged[1], self.flagged[2])
-                    shrunk = sum(self.hist) / before if before > 0 else None
+                    shrunk = min(1.0, sum(self.hist) / before) if before > 0 else None
                     self.flagged = None
                 else:
                     self.flagged = (sign, add, self.pend_wa) if sign else None
@@ -323,11 +327,10 @@ class _AcceptCell:
             self.sq = self.sq * (f * f)
             self.q = self.q * (f * f)  # type: ignore[operator]
 
-    def _deviation(self, p: list, n: int, z: float) -> int:
+    def _deviation(self, p: list, n: int, z: float, h: list) -> int:
         """+1 / -1 when the counts `p` (n requests) accept more / fewer drafts per request than
-        the history, beyond z standard errors of the difference; else 0. Requests count at most
-        `cap`, as when folded."""
-        h = self.hist
+        the histogram `h`, beyond z standard errors of the difference; else 0. Requests count at
+        most `cap`, as when folded."""
         w = sum(h)
         if w <= 0 or self.pend_wa <= 0:
             return 0
@@ -485,7 +488,8 @@ class CostModel:
             if s.accepted is not None:
                 second = int(s.ts)
                 if acc.pend_second != second:
-                    shrunk = acc.fold(self.accept_change_z)
+                    ref = self._accept_ref(c) if self.accept_change_z > 0 and acc.pend is not None else None
+                    shrunk = acc.fold(self.accept_change_z, ref)
                     if shrunk is not None:
                         self.num_accept_changes_ += 1
                     if shrunk is not None and c[1] == 1:
@@ -825,6 +829,27 @@ class CostModel:
         pred = self.predict_step_ms_ctx(c, b, mean_ctx_tokens)
         carry = f.slope_se * b ** f.exponent * abs(float(mean_ctx_tokens) - f.mean_ctx) / pred
         return np.sqrt(se ** 2 + carry ** 2), thin
+
+    def _accept_ref(self, c: Config) -> Optional[list]:
+        """What the model believes chain `c` accepts, as a histogram over its accepted counts
+        0..steps: the histories of every chain at least as long as `c`, each record's accepted
+        count capped at c's steps (a chain's first s positions are the s-chain: the prefix
+        property the per-position pooling rests on). A shift in what `c` measures is judged
+        against this, not against `c`'s own history alone: the estimate that decides is pooled,
+        so evidence a longer chain gathered before the traffic changed (and that `c`, running
+        now, never had) would otherwise never be found stale. None for trees (measured alone)."""
+        steps, topk, _ = c
+        if topk != 1:
+            return None
+        out = [0.0] * (steps + 1)
+        for k, a in self.accept_.items():
+            if k[1] != 1 or k[0] < steps:
+                continue
+            h = a.hist
+            for i, x in enumerate(h):
+                if x:
+                    out[min(i, steps)] += x
+        return out
 
     def acceptance_by_position(self, c: Config) -> Optional[np.ndarray]:
         """Conditional acceptance a_i (i = 1..steps) pooled over chains, or None if unmeasured."""

@@ -306,6 +306,32 @@ def test_a_shift_seen_on_one_chain_ages_the_pooled_history_of_the_others():
     assert m.acceptance_by_position(S3)[0] == pytest.approx(0.45, abs=0.08)
 
 
+@pytest.mark.parametrize("z", [3.0, 0.0])
+def test_a_shift_is_judged_against_the_pooled_belief_not_the_running_chain_alone(z):
+    """s3 measured a minute of easy traffic; then the traffic turns hard and only s2 runs, a chain
+    with no history of its own. Its seconds agree with its own (new) history, but the pooled
+    estimate that decides still rests on s3's easy minute: the shift must be found against that."""
+    easy, hard = (0.9, 0.85, 0.8), (0.45, 0.4, 0.35)
+    m = CostModel(accept_change_z=z)
+    m.fit(list(_chain_steps(easy, 60, 0.0)) + list(_chain_steps(hard, 3.5, 60.0, seed=1, config=S2)))
+    midway = (_tau(easy[:2]) + _tau(hard[:2])) / 2
+    if z:  # s3's minute is aged as much as s2's own history would have been: past midway in 3.5 s
+        assert m.num_accept_changes_ == 1
+        assert m.tokens_per_step(S2) < midway
+    else:  # without detection s3's easy minute still holds the pooled positions up
+        assert m.num_accept_changes_ == 0
+        assert m.tokens_per_step(S2) > midway
+
+
+def test_a_longer_chain_running_hard_traffic_does_not_flag_a_shorter_chains_history():
+    """The belief a chain is judged against pools only chains at least as long: s3 measuring
+    what s1 measured is no shift, whatever s1's own history holds."""
+    accept = (0.6, 0.5, 0.4)
+    m = CostModel(accept_change_z=3.0)
+    m.fit(list(_chain_steps(accept, 30, 0.0, config=S1)) + list(_chain_steps(accept, 30, 30.0, seed=1)))
+    assert m.num_accept_changes_ == 0
+
+
 @pytest.mark.parametrize("batch, steps, weight", [
     (1, 100, 16),  # one request's steps share its prompt: at most 16 of them count
     (2, 100, 32),
