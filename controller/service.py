@@ -43,7 +43,8 @@ class ServiceSettings:
     heartbeat_s: float = 2.0
     half_life_s: float = 600.0  # step-time memory (hardware: slow to change)
     accept_half_life_s: float = 8.0  # acceptance memory (traffic: shifts within seconds)
-    # two seconds in a row this many standard errors off the acceptance history replace it
+    # two seconds in a row this many standard errors off what the model believes a chain accepts
+    # (pooled over every chain at least as long) replace that chain's history
     # (0 = off: shifts are then followed at the pace of accept_half_life_s)
     accept_change_z: float = 3.0
     # the relative standard error a measured step time gains per half_life_s of age (see
