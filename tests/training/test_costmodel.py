@@ -323,7 +323,7 @@ def test_a_shift_is_judged_against_the_pooled_belief_not_the_running_chain_alone
         assert m.tokens_per_step(S2) > midway
 
 
-def test_a_longer_chain_running_hard_traffic_does_not_flag_a_shorter_chains_history():
+def test_a_longer_chain_measuring_the_same_traffic_flags_no_shift():
     """The belief a chain is judged against pools only chains at least as long: s3 measuring
     what s1 measured is no shift, whatever s1's own history holds."""
     accept = (0.6, 0.5, 0.4)
