@@ -4,8 +4,9 @@
   python3 benchmarks/gpu/ctx_profile.py measure --model /tmp/m/8b --draft /tmp/m/draft --out $OUT \
       [--policies off,static:s1,static:s3] [--prompt-tokens 512,7680] [--levels 1,4,16,32,64] \
       [--new-tokens 384] [--rounds 3] [--deadline-s 540]
-  HERE (turn the call's output into a shipped profile):
-  python3 benchmarks/gpu/ctx_profile.py convert OUT/ctx-steps.json --name NAME \
+  HERE (turn the call's output into a shipped profile; several calls' outputs, each with other policies, merge:
+  an H100 holds two 8B testbed servers, so there `--policies off,static:s3` and `--policies static:s1` are two calls):
+  python3 benchmarks/gpu/ctx_profile.py convert OUT/ctx-steps.json [OUT2/ctx-steps.json ...] --name NAME \
       --out training/data/profiles/NAME.json
 
 measure: one server per policy (`off` is a server without speculation), all up at once, taking turns per
@@ -190,9 +191,29 @@ def to_profile(res, name, source=None):
     return profile_with_ctx(rows_of(res), name, source=src)
 
 
+def merge_steps(paths):
+    """Several measure calls' ctx-steps.json as one: their waves together (a GPU that holds fewer servers at once,
+    e.g. an H100 two 8B testbed servers, measures the policies over several calls). They must come from the same
+    kind of GPU, prompt lengths and new tokens, and no policy measured by two of them."""
+    runs = [json.load(open(p)) for p in paths]
+    res = dict(runs[0], waves=[], servers={})
+    for p, r in zip(paths, runs):
+        for key in ("gpu", "prompt_tokens", "new_tokens"):
+            if r.get(key) != res.get(key):
+                raise SystemExit(f"{p}: {key} {r.get(key)!r} differs from {paths[0]}'s {res.get(key)!r}: one profile "
+                                 f"holds step times of one setting")
+        twice = {w["policy"] for w in r["waves"]} & {w["policy"] for w in res["waves"]}
+        if twice:
+            raise SystemExit(f"{p}: policies {sorted(twice)} were measured by an earlier file too")
+        res["waves"] += r["waves"]
+        res["servers"].update(r.get("servers", {}))
+    return res
+
+
 def convert(a):
-    res = json.load(open(a.steps))
-    prof = to_profile(res, a.name, source=os.path.relpath(a.steps))
+    res = merge_steps(a.steps)
+    src = [os.path.relpath(p) for p in a.steps]
+    prof = to_profile(res, a.name, source=src[0] if len(src) == 1 else src)
     json.dump(prof, open(a.out, "w"), indent=1)
     print("wrote", a.out)
     for r in rows_of(res):
@@ -222,7 +243,7 @@ def main():
     m.add_argument("--deadline-s", type=float, default=540)
     m.add_argument("--port0", type=int, default=32000)
     c = sub.add_parser("convert")
-    c.add_argument("steps")
+    c.add_argument("steps", nargs="+", help="one or more measure calls' ctx-steps.json (same GPU kind and setting)")
     c.add_argument("--name", required=True)
     c.add_argument("--out", required=True)
     a = ap.parse_args()

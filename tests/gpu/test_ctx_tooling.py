@@ -96,6 +96,25 @@ def test_ctx_profile_measures_waves_against_the_stand_in_and_converts(tmp_path, 
                     "--name", "mock-ctx", "--out", str(prof_path)], check=True, capture_output=True, timeout=60)
     assert json.load(open(prof_path)) == dict(json.load(open(out / "profile-ctx.json")), name="mock-ctx",
                                               source=json.load(open(prof_path))["source"])
+    # the same waves measured over two calls (an H100 holds two servers): the same profile
+    parts = []
+    for k, pols in enumerate(({"off", "static:s3"}, {"static:s1"})):
+        part = dict(steps, waves=[w for w in steps["waves"] if w["policy"] in pols])
+        parts.append(tmp_path / f"part{k}.json")
+        parts[-1].write_text(json.dumps(part))
+    merged = tmp_path / "merged.json"
+    subprocess.run([sys.executable, os.path.join(GPU, "ctx_profile.py"), "convert", *map(str, parts),
+                    "--name", "mock-ctx", "--out", str(merged)], check=True, capture_output=True, timeout=60)
+    got, want = json.load(open(merged)), json.load(open(prof_path))
+    assert len(got["source"]["waves"]) == 2
+    assert dict(got, source=None) == dict(want, source=None)
+    # a policy in both, or another GPU: refused with the reason
+    for bad_part in (dict(steps, waves=steps["waves"][:1]), dict(steps, waves=[], gpu="other")):
+        (tmp_path / "bad.json").write_text(json.dumps(bad_part))
+        r = subprocess.run([sys.executable, os.path.join(GPU, "ctx_profile.py"), "convert", str(out / "ctx-steps.json"),
+                            str(tmp_path / "bad.json"), "--name", "x", "--out", str(tmp_path / "x.json")],
+                           capture_output=True, text=True, timeout=60)
+        assert r.returncode != 0 and ("measured by an earlier file" in r.stderr or "gpu" in r.stderr), r.stderr
     p = load_profile(prof_path)
     assert p.has_ctx and set(p.config_names) == {"off", "s1", "s3"}
     for k in range(3):  # the stand-in's steps take longer at the longer context, and longer with more draft steps
