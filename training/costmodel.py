@@ -842,14 +842,16 @@ class CostModel:
         if topk != 1:
             return None
         out = [0.0] * (steps + 1)
-        for k, a in self.accept_.items():
-            if k[1] != 1 or k[0] < steps:
-                continue
-            h = a.hist
-            for i, x in enumerate(h):
+        for a in self._chains_reaching(steps):
+            for i, x in enumerate(a.hist):
                 if x:
                     out[min(i, steps)] += x
         return out
+
+    def _chains_reaching(self, steps: int) -> list["_AcceptCell"]:
+        """The acceptance cells of every chain (topk 1) with at least `steps` draft steps: those whose
+        records speak for all positions of a `steps`-chain."""
+        return [a for k, a in self.accept_.items() if k[1] == 1 and k[0] >= steps]
 
     def acceptance_by_position(self, c: Config) -> Optional[np.ndarray]:
         """Conditional acceptance a_i (i = 1..steps) pooled over chains, or None if unmeasured."""
@@ -975,7 +977,7 @@ class CostModel:
         if c[0] == 0:
             return 0.0
         if c[1] == 1:
-            cells = [a for k, a in self.accept_.items() if k[1] == 1 and k[0] >= c[0]]
+            cells = self._chains_reaching(c[0])
         else:
             cells = [a for a in (self.accept_.get(c),) if a is not None]
         w = sum(a.ts_w for a in cells)

@@ -310,17 +310,18 @@ def test_a_shift_seen_on_one_chain_ages_the_pooled_history_of_the_others():
 def test_a_shift_is_judged_against_the_pooled_belief_not_the_running_chain_alone(z):
     """s3 measured a minute of easy traffic; then the traffic turns hard and only s2 runs, a chain
     with no history of its own. Its seconds agree with its own (new) history, but the pooled
-    estimate that decides still rests on s3's easy minute: the shift must be found against that."""
+    estimate that decides still rests on s3's easy minute: the shift must be found against that.
+    The samples carry their own timestamps (seeded, synthetic): nothing here reads the wall clock."""
     easy, hard = (0.9, 0.85, 0.8), (0.45, 0.4, 0.35)
     m = CostModel(accept_change_z=z)
     m.fit(list(_chain_steps(easy, 60, 0.0)) + list(_chain_steps(hard, 3.5, 60.0, seed=1, config=S2)))
-    midway = (_tau(easy[:2]) + _tau(hard[:2])) / 2
-    if z:  # s3's minute is aged as much as s2's own history would have been: past midway in 3.5 s
+    halfway_tau = (_tau(easy[:2]) + _tau(hard[:2])) / 2
+    if z:  # s3's easy minute is aged as s2's own history would have been: the estimate past halfway
         assert m.num_accept_changes_ == 1
-        assert m.tokens_per_step(S2) < midway
+        assert m.tokens_per_step(S2) < halfway_tau
     else:  # without detection s3's easy minute still holds the pooled positions up
         assert m.num_accept_changes_ == 0
-        assert m.tokens_per_step(S2) > midway
+        assert m.tokens_per_step(S2) > halfway_tau
 
 
 def test_a_longer_chain_measuring_the_same_traffic_flags_no_shift():
