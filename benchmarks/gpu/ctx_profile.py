@@ -86,6 +86,14 @@ def model_context(model_dir):
         return None
 
 
+def prompt_tol(length, new_tokens, ctx_max, tol=0.02):
+    """How far a long prompt may miss its length (prompts.long_prompts' tol): 2 %, less where 2 % more would not
+    fit the model's context with the new tokens (7,680 + 2 % + 384 > SmolLM2's 8,192)."""
+    if not ctx_max:
+        return tol
+    return min(tol, max(0.001, (ctx_max - new_tokens - length) / length))
+
+
 def measure(a):
     os.makedirs(a.out, exist_ok=True)
     deadline = T0 + a.deadline_s
@@ -99,7 +107,13 @@ def measure(a):
     mtb, he = P.load_benchmark_sets(a.model, a.prompts, tok=tok)
     asks = [x for pair in zip(mtb, he) for x in pair]
     filler = P.gen_train_prompts(2000, seed=5)
-    pools = {L: P.long_prompts(tok, asks[:max(levels)], L, filler) for L in lengths}
+    pools = {L: P.long_prompts(tok, asks[:max(levels)], L, filler, tol=prompt_tol(L, a.new_tokens, ctx_max))
+             for L in lengths}
+    for L, items in pools.items():
+        longest = max(x["n_tokens"] for x in items)
+        if ctx_max and longest + a.new_tokens > ctx_max:
+            raise SystemExit(f"a {L}-token prompt came out at {longest} tokens: with {a.new_tokens} new tokens it "
+                             f"exceeds the model's context {ctx_max} (SGLang would refuse it and the wave lose it)")
     kv = max(lengths) * max(levels) + a.new_tokens * max(levels)
     memf = a.mem_fraction or round(0.8 / max(1, len(policies)), 3)
     common = server_args(max(levels), memf, max_total_tokens=a.max_total_tokens, prefill_graph=False)

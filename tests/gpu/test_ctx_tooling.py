@@ -38,6 +38,20 @@ def test_long_prompts_reach_their_length_with_distinct_documents():
         P.long_prompts(tok, items, 5, filler)
 
 
+@pytest.mark.parametrize("length,new,ctx,tol", [
+    (512, 384, 8192, 0.02),        # far from the context: the usual 2 %
+    (7680, 384, 8192, 0.0167),     # 2 % more would not fit SmolLM2's 8,192 with 384 new tokens
+    (7800, 384, 8192, 0.001),      # no room at all: as tight as the search goes (the measure then refuses)
+    (6000, 128, None, 0.02),       # context unknown
+])
+def test_a_long_prompt_misses_its_length_only_by_what_the_context_leaves(length, new, ctx, tol):
+    import ctx_profile as CP
+
+    assert CP.prompt_tol(length, new, ctx) == pytest.approx(tol, abs=1e-4)
+    if ctx:
+        assert length * (1 + CP.prompt_tol(length, new, ctx)) + new <= max(ctx, length * 1.001 + new)
+
+
 def _rows(lengths=(512, 7680)):
     rows = []
     for L in lengths:
