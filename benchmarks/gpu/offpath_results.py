@@ -245,20 +245,20 @@ def build(benches: list[dict], calls: list[str], log_dirs: list[str] | None = No
     # trivial verify beside them, and of the sweep only if it ran specctl or a static beside them: a sweep's
     # single round never stands in a step-cost median (the rounds of one call are what the ratio is of)
     step_runs, sweep_runs = [], []
-    for b in benches:
+    for i, b in enumerate(benches, 1):
         runs = b.get("runs", [])
         pols = {step_name(r["policy"]) for r in runs} - set(S3_POLICIES)  # the s3 kernel rows: rec["splitkv"]
         has_steps, has_sweep = bool(pols & (set(STEP_POLICIES) - {"off"})), bool(pols - set(STEP_POLICIES))
         runs = [r for r in runs if r["policy"] not in S3_POLICIES]
         step_runs += [r for r in runs if step_name(r["policy"]) in STEP_POLICIES and (r["policy"] != "off" or has_steps)]
-        sweep_runs += [r for r in runs if step_name(r["policy"]) not in STEP_POLICIES
+        sweep_runs += [dict(r, call=i) for r in runs if step_name(r["policy"]) not in STEP_POLICIES
                        or (r["policy"] == "off" and has_sweep)]
     phase = [r for b in benches for r in b.get("phase_runs", [])]
     rec = {"gpu": first.get("gpu"), "sglang": first.get("sglang"), "attention_backend": first.get("attention_backend", "triton"),
            "model": first.get("model"), "draft": first.get("draft"), "calls": calls,
            "step_costs": step_costs(step_runs),
            "sweep": [{"concurrency": r["concurrency"], "policy": issue_name(shipped(r["policy"])),
-                      "output_tokens_per_s": r.get("output_tokens_per_s")}
+                      "output_tokens_per_s": r.get("output_tokens_per_s"), "call": r["call"]}
                      for r in sweep_runs],
            "phase_runs": [], "identity": None, "resync": None}
     sk = splitkv_costs([r for b in benches for r in b.get("runs", [])])
@@ -331,6 +331,36 @@ def build(benches: list[dict], calls: list[str], log_dirs: list[str] | None = No
     return rec
 
 
+def paired_envelope(sweep: list[dict]) -> dict:
+    """The sweep target where the competitors ran in several calls, each beside a specctl server of its own (an
+    H100 holds two 8B testbed servers: 2026-12-06's F'3 ran specctl with no-spec and s3, F'4 with s1 and s2): per
+    concurrency, the lowest over calls of that call's specctl ÷ the best competitor of the same call, so that no
+    ratio divides one call's figure by another's (their rounds differ by more than the bound). {} unless at least
+    two calls ran specctl beside a competitor."""
+    calls: dict[int, dict[int, dict[str, float]]] = {}
+    for r in sweep:
+        if r.get("call") is None or not r.get("output_tokens_per_s"):
+            continue
+        calls.setdefault(r["call"], {}).setdefault(r["concurrency"], {})[r["policy"]] = r["output_tokens_per_s"]
+    out: dict[str, dict] = {}
+    n_calls = 0
+    for call, levels in sorted(calls.items()):
+        used = False
+        for c, pols in levels.items():
+            rivals = {k: v for k, v in pols.items() if k == "no-spec" or k.startswith("static:")}
+            if "specctl" not in pols or not rivals:
+                continue
+            used = True
+            best = max(rivals, key=rivals.get)
+            ratio = round(pols["specctl"] / rivals[best], 4)
+            cur = out.setdefault(str(c), {"ratio": None, "call": None, "against": None, "rivals": []})
+            if cur["ratio"] is None or ratio < cur["ratio"]:
+                cur.update(ratio=ratio, call=call, against=best)
+            cur["rivals"] = sorted(set(cur["rivals"]) | set(rivals))  # every competitor some call paired
+        n_calls += used
+    return dict(sorted(out.items(), key=lambda kv: int(kv[0]))) if n_calls >= 2 else {}
+
+
 def targets(rec: dict) -> dict:
     """Each of the issue's bounds with the figure it is checked on (None where the figure is missing)."""
     t = {"off_state_le_1.03x_no_spec": {str(r["concurrency"]): r.get("off_state_vs_no_spec") for r in rec["step_costs"]}}
@@ -346,6 +376,9 @@ def targets(rec: dict) -> dict:
         if r["policy"] == "specctl":
             mine[r["concurrency"]] = v
     t["sweep_specctl_vs_envelope_ge_0.98"] = {str(c): round(mine[c] / env[c], 4) for c in sorted(mine) if env.get(c)}
+    paired = paired_envelope(rec["sweep"])
+    if paired:
+        t["sweep_specctl_vs_envelope_ge_0.98_paired"] = paired
     med = {}
     for r in rec["phase_runs"]:
         med.setdefault(r["policy"], []).append(r["output_tokens_per_s"] or 0.0)

@@ -287,6 +287,23 @@ def test_a_sweeps_no_spec_round_stays_out_of_another_calls_step_costs():
     assert rec["targets"]["sweep_specctl_vs_envelope_ge_0.98"] == {"1": round(180 / 178, 4)}
 
 
+def test_a_sweep_split_over_calls_pairs_each_competitor_with_the_specctl_of_its_own_call():
+    """2026-12-06 on an H100 (two 8B servers at once): F'3 ran specctl beside no-spec and s3, F'4 beside s1 and
+    s2, and the two calls' specctl differ by more than the 0.98 bound; each call's ratio is its own, the target the
+    lower of them per concurrency."""
+    f3 = {"runs": [_row("specctl", 1, [], 200.0), _row("off", 1, [], 150.0), _row("static:s3", 1, [], 190.0),
+                   _row("specctl", 64, [], 1000.0), _row("off", 64, [], 1010.0), _row("static:s3", 64, [], 800.0)]}
+    f4 = {"runs": [_row("specctl", 1, [], 180.0), _row("static:s1", 1, [], 170.0), _row("static:s2", 1, [], 185.0),
+                   _row("specctl", 64, [], 1100.0), _row("static:s1", 64, [], 1000.0), _row("static:s2", 64, [], 900.0)]}
+    rec = O.build([f3, f4], ["F'3", "F'4"])
+    assert {r["call"] for r in rec["sweep"]} == {1, 2}
+    paired = rec["targets"]["sweep_specctl_vs_envelope_ge_0.98_paired"]
+    assert paired["1"] == {"ratio": round(180 / 185, 4), "call": 2, "against": "static:s2",
+                           "rivals": ["no-spec", "static:s1", "static:s2", "static:s3"]}
+    assert paired["64"]["ratio"] == round(1000 / 1010, 4) and paired["64"]["against"] == "no-spec"
+    assert O.build([f3], ["F'3"])["targets"].get("sweep_specctl_vs_envelope_ge_0.98_paired") is None
+
+
 def test_request_stats_reads_sglangs_lines_and_groups_arrivals():
     """SGLang 0.5.17's Req.log_time_stats format (unified mode): queue times and how arrivals cluster (entries
     less than 1 ms apart form one group)."""
