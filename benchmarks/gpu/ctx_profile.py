@@ -94,6 +94,21 @@ def prompt_tol(length, new_tokens, ctx_max, tol=0.02):
     return min(tol, max(0.001, (ctx_max - new_tokens - length) / length))
 
 
+KV_HEADROOM = 1.1  # SGLang admits a request only with room for the running ones' remaining output too
+
+
+def kv_cap_problem(cap, concurrency, longest_prompt, new_tokens):
+    """Why a KV cap (--max-total-tokens, 0 = none) cannot hold a wave of `concurrency` requests at once, or None.
+    2026-12-06 (H100, G1): 214,000 tokens for 32 prompts of ~6,160 tokens + 384 new ones (209,500) admitted 31,
+    the 32nd waited in the queue, and the wave had no step at 32 running requests; 10 % over the wave's tokens."""
+    need = concurrency * (longest_prompt + new_tokens)
+    if cap and cap < KV_HEADROOM * need:
+        return (f"--max-total-tokens {cap} is short of {KV_HEADROOM} x {concurrency} x ({longest_prompt} + {new_tokens}) "
+                f"= {int(KV_HEADROOM * need)}: SGLang would queue the wave's last requests, which then has no step "
+                f"at {concurrency} running requests")
+    return None
+
+
 def measure(a):
     os.makedirs(a.out, exist_ok=True)
     deadline = T0 + a.deadline_s
@@ -115,6 +130,10 @@ def measure(a):
             raise SystemExit(f"a {L}-token prompt came out at {longest} tokens: with {a.new_tokens} new tokens it "
                              f"exceeds the model's context {ctx_max} (SGLang would refuse it and the wave lose it)")
     kv = max(lengths) * max(levels) + a.new_tokens * max(levels)
+    problem = kv_cap_problem(a.max_total_tokens, max(levels), max(x["n_tokens"] for v in pools.values() for x in v),
+                             a.new_tokens)
+    if problem:
+        raise SystemExit(problem)
     memf = a.mem_fraction or round(0.8 / max(1, len(policies)), 3)
     common = server_args(max(levels), memf, max_total_tokens=a.max_total_tokens, prefill_graph=False)
     common += ["--context-length", str(max(lengths) + a.new_tokens + 64)] if a.context_length else []
@@ -249,7 +268,7 @@ def main():
     m.add_argument("--new-tokens", type=int, default=384)
     m.add_argument("--rounds", type=int, default=3)
     m.add_argument("--mem-fraction", type=float, default=0.0, help="per server; 0 = 0.8/servers")
-    m.add_argument("--max-total-tokens", type=int, default=0, help="cap each server's KV pool (tokens); it must hold "
+    m.add_argument("--max-total-tokens", type=int, default=0, help="cap each server's KV pool (tokens); it must hold 1.1 x "
                                                                    "max(levels) * (max(prompt-tokens) + new-tokens)")
     m.add_argument("--context-length", action="store_true", help="pass --context-length prompt + new + 64")
     m.add_argument("--prompts", default="/tmp/specctl-stash/aux/prompts")

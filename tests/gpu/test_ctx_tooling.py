@@ -52,6 +52,21 @@ def test_a_long_prompt_misses_its_length_only_by_what_the_context_leaves(length,
         assert length * (1 + CP.prompt_tol(length, new, ctx)) + new <= max(ctx, length * 1.001 + new)
 
 
+@pytest.mark.parametrize("cap,c,longest,new,ok", [
+    (0, 48, 7800, 384, True),            # no cap: SGLang sizes the pool from memory
+    (214000, 32, 6163, 384, False),      # 2026-12-06's G1: the 32nd request of the 6,144-token wave queued
+    (236000, 32, 6163, 384, True),
+    (435000, 48, 7808, 384, True),       # G on an H200 (7,680 + 1.67 %: prompt_tol)
+])
+def test_a_kv_cap_must_hold_a_whole_wave_with_headroom(cap, c, longest, new, ok):
+    import ctx_profile as CP
+
+    problem = CP.kv_cap_problem(cap, c, longest, new)
+    assert (problem is None) is ok
+    if not ok:
+        assert str(cap) in problem and "queue" in problem
+
+
 def _rows(lengths=(512, 7680)):
     rows = []
     for L in lengths:

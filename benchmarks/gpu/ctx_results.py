@@ -1,0 +1,155 @@
+"""The context axis's record (issue "step time that depends on context length"), HERE, from the device calls'
+outputs:
+
+  python3 benchmarks/gpu/ctx_results.py OUT.json [--steps G/ctx-steps.json ...] [--alternating H/bench-g0.json
+      --logs H's g0/ (g0.tgz or server-logs.tgz extracted)] [--call "command" ...] [--ctx-split 2048]
+
+--steps: ctx_profile.py measure outputs (several calls' merge as `convert` merges them): per policy, prompt length
+and concurrency the decode step (median over rounds) and, per prompt length and concurrency, each speculative
+policy's step over the no-spec server's (`ctx_steps`, `spec_over_off`).
+--alternating: run_bench.py --phase-set alternating with specctl and specctl-noctx taking turns: the phase runs,
+specctl ÷ specctl-noctx run by run (`phase_pairs`), each server's last table per context band and its flaps
+(speculating rows above its first plain-decode row), and with --logs what each server's steps cost by
+configuration, batch size and context class (the telemetry's step_ms: the build the plugin runs, split-KV verify
+and decode state included), the class being the mean context per request below / from --ctx-split.
+Prints each target against its figure: specctl ÷ specctl-noctx mean >= 1.05, no flap in any context band.
+"""
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import statistics as st
+import sys
+from pathlib import Path
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from benchlib import policy_flaps  # noqa: E402
+
+TARGET_OVER_NOCTX = 1.05
+BATCH_BINS = (1, 2, 4, 8, 16, 24, 32, 40, 48, 64, 96, 128, 192, 256)  # a step's batch size counts at the bin below
+
+
+def ctx_steps(paths: list[str]) -> dict:
+    """ctx_profile measure outputs -> {"gpu", "prompt_tokens", "new_tokens", "rows", "spec_over_off"}."""
+    import ctx_profile as CP
+
+    res = CP.merge_steps(paths)
+    rows = CP.rows_of(res)
+    off = {(r["prompt_tokens"], r["concurrency"]): r["step_ms"] for r in rows if r["policy"] == "off"}
+    ratios = [{"policy": r["policy"], "prompt_tokens": r["prompt_tokens"], "concurrency": r["concurrency"],
+               "ctx_per_req": r["ctx_per_req"], "over_off": round(r["step_ms"] / off[(r["prompt_tokens"], r["concurrency"])], 4)}
+              for r in rows if r["policy"] != "off" and r["step_ms"] and off.get((r["prompt_tokens"], r["concurrency"]))]
+    missing = [{"policy": r["policy"], "prompt_tokens": r["prompt_tokens"], "concurrency": r["concurrency"]}
+               for r in rows if not r["step_ms"]]
+    return {"gpu": res.get("gpu"), "prompt_tokens": res.get("prompt_tokens"), "new_tokens": res.get("new_tokens"),
+            "rows": rows, "spec_over_off": ratios, "no_steps": missing}
+
+
+def batch_bin(b: int) -> int:
+    return max(x for x in BATCH_BINS if x <= b) if b >= 1 else 0
+
+
+def telemetry_steps(folder: str, split: int) -> list[dict]:
+    """A plugin server's recorded telemetry -> median step ms per (context class, batch bin, configuration)."""
+    from specctl.training.costmodel import Sample
+    from specctl.training.readers import FileReport, read_telemetry
+
+    groups: dict[tuple, list[float]] = {}
+    for f in sorted(glob.glob(os.path.join(folder, "telemetry", "*.jsonl*"))):
+        for s in read_telemetry(Path(f), FileReport(path=f)):
+            if not isinstance(s, Sample) or s.step_ms is None or not s.ctx_tokens or s.batch_size < 1:
+                continue
+            cls = "long" if s.ctx_tokens / s.batch_size >= split else "short"
+            groups.setdefault((cls, batch_bin(s.batch_size), s.config), []).append(s.step_ms)
+    return [{"ctx": k[0], "batch_from": k[1], "config": {"steps": k[2][0], "topk": k[2][1], "draft_tokens": k[2][2]},
+             "steps": len(v), "step_ms_med": round(st.median(v), 3)} for k, v in sorted(groups.items())]
+
+
+def last_table(folder: str) -> list[dict] | None:
+    """The last policy version's table rows of run_bench's specctl-<policy>/policies.json."""
+    p = os.path.join(folder, "policies.json")
+    if not os.path.exists(p):
+        return None
+    pols = json.load(open(p)).get("policies") or []
+    if not pols:
+        return None
+    last = pols[-1].get("policy", pols[-1])
+    return [{k: r.get(k) for k in ("min_ctx", "max_ctx", "min_batch", "max_batch") if r.get(k) is not None}
+            | {"steps": r["config"]["steps"]} for r in last.get("table", [])]
+
+
+def alternating(bench: dict, log_dir: str | None, split: int) -> dict:
+    out = {"phase_runs": [], "phase_pairs": bench.get("phase_pairs") or {}, "servers": {}}
+    seen: dict[str, int] = {}
+    for r in bench.get("phase_runs", []):
+        seen[r["policy"]] = seen.get(r["policy"], 0) + 1
+        out["phase_runs"].append({"policy": r["policy"], "run": seen[r["policy"]],
+                                  "output_tokens_per_s": r.get("output_tokens_per_s"),
+                                  "median_tpot_ms": r.get("median_tpot_ms"),
+                                  "per_phase": [{"concurrency": p.get("concurrency"),
+                                                 "prompts": ",".join(sorted((ph.get("mix") or {}))) or None,
+                                                 "output_tokens_per_s": p.get("output_tokens_per_s"),
+                                                 "median_tpot_ms": p.get("median_tpot_ms")}
+                                                for p, ph in zip(r.get("per_phase", []),
+                                                                 r.get("phases") or [{}] * len(r.get("per_phase", [])))]})
+    for pol, srv in (bench.get("servers") or {}).items():
+        aud = (srv or {}).get("specctl") or {}
+        s = {k: aud.get(k) for k in ("table_flaps", "ctx_bands", "step_changes", "policy_versions_seen", "match_frac")}
+        s["daemon_args"] = srv.get("daemon_args")
+        if log_dir:
+            sdir = os.path.join(log_dir, f"specctl-{pol.replace(':', '_')}")
+            s["last_table"] = last_table(sdir)
+            s["telemetry_steps"] = telemetry_steps(sdir, split)
+            if s["last_table"] is not None:  # the flaps of the table as saved, where the bench has none
+                s["table_flaps"] = s["table_flaps"] or policy_flaps(
+                    {"table": [dict(min_batch=r["min_batch"], config={"steps": r["steps"]},
+                                    **{k: r[k] for k in ("min_ctx", "max_ctx") if k in r}) for r in s["last_table"]]})
+        out["servers"][pol] = s
+    return out
+
+
+def targets(rec: dict) -> dict:
+    t = {}
+    alt = rec.get("alternating")
+    if alt:
+        pair = alt["phase_pairs"].get("specctl / specctl-noctx") or {}
+        t[f"specctl_over_noctx_mean_ge_{TARGET_OVER_NOCTX}"] = pair.get("mean")
+        t["specctl_over_noctx_runs"] = pair.get("per_round")
+        flaps = (alt["servers"].get("specctl") or {}).get("table_flaps") or {}
+        t["band_flaps_eq_0"] = {k: v for k, v in flaps.items() if k != "any"}
+        t["ctx_bands_ge_2"] = (alt["servers"].get("specctl") or {}).get("ctx_bands")
+    return t
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("out")
+    ap.add_argument("--steps", action="append", default=[])
+    ap.add_argument("--alternating")
+    ap.add_argument("--logs")
+    ap.add_argument("--call", action="append", default=[])
+    ap.add_argument("--ctx-split", type=int, default=2048, help="mean context tokens per request: short below, long from")
+    a = ap.parse_args()
+    rec = {"calls": a.call}
+    if a.steps:
+        rec["ctx_steps"] = ctx_steps(a.steps)
+    if a.alternating:
+        bench = json.load(open(a.alternating))
+        for k in ("gpu", "sglang", "attention_backend", "model", "draft"):
+            rec.setdefault(k, bench.get(k))
+        rec["alternating"] = alternating(bench, a.logs, a.ctx_split)
+        rec["ctx_split"] = a.ctx_split
+    if a.steps:
+        rec["gpu"] = rec.get("gpu") or rec["ctx_steps"]["gpu"]
+    rec["targets"] = targets(rec)
+    json.dump(rec, open(a.out, "w"), indent=1)
+    print(json.dumps(rec["targets"], indent=1))
+    for r in (rec.get("ctx_steps") or {}).get("spec_over_off", []):
+        print(f"{r['policy']:10s} L={r['prompt_tokens']:6d} c={r['concurrency']:4d}  {r['over_off']}x the no-spec step")
+    print("wrote", a.out)
+
+
+if __name__ == "__main__":
+    main()
