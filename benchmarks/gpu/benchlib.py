@@ -460,6 +460,18 @@ def pct(xs, q):
 T95 = {2: 12.71, 3: 4.30, 4: 3.18, 5: 2.78, 6: 2.57, 7: 2.45, 8: 2.36, 9: 2.31, 10: 2.26}  # Student t, 95 %, by n
 
 
+def ctx_pairs(policies):
+    """(specctl<suffix>, specctl-noctx<suffix>) for every suffix both ran (e.g. +stockverify: the context axis
+    where verify depends on the context the most), the plain pair first."""
+    out = []
+    for p in policies:
+        if p.startswith("specctl") and not p.startswith("specctl-"):
+            other = "specctl-noctx" + p[len("specctl"):]
+            if other in policies:
+                out.append((p, other))
+    return sorted(out, key=lambda ab: (ab[0] != "specctl", ab[0]))
+
+
 def paired_ratios(a, b):
     """a[i] / b[i] for the pairs where both are measured (one pair per round or repetition): every ratio, mean,
     median, range, standard error and a 95 % t interval of the mean; {} when no pair is measured."""

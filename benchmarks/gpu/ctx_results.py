@@ -113,13 +113,14 @@ def alternating(bench: dict, log_dir: str | None, split: int) -> dict:
 def targets(rec: dict) -> dict:
     t = {}
     alt = rec.get("alternating")
-    if alt:
-        pair = alt["phase_pairs"].get("specctl / specctl-noctx") or {}
-        t[f"specctl_over_noctx_mean_ge_{TARGET_OVER_NOCTX}"] = pair.get("mean")
-        t["specctl_over_noctx_runs"] = pair.get("per_round")
-        flaps = (alt["servers"].get("specctl") or {}).get("table_flaps") or {}
-        t["band_flaps_eq_0"] = {k: v for k, v in flaps.items() if k != "any"}
-        t["ctx_bands_ge_2"] = (alt["servers"].get("specctl") or {}).get("ctx_bands")
+    for name, pair in ((alt or {}).get("phase_pairs") or {}).items():
+        with_axis = name.split(" / ")[0]  # "specctl" or "specctl+stockverify", ...
+        tag = "" if with_axis == "specctl" else with_axis[len("specctl"):]
+        t[f"specctl_over_noctx{tag}_mean_ge_{TARGET_OVER_NOCTX}"] = pair.get("mean")
+        t[f"specctl_over_noctx{tag}_runs"] = pair.get("per_round")
+        srv = alt["servers"].get(with_axis) or {}
+        t[f"band_flaps{tag}_eq_0"] = {k: v for k, v in (srv.get("table_flaps") or {}).items() if k != "any"}
+        t[f"ctx_bands{tag}_ge_2"] = srv.get("ctx_bands")
     return t
 
 

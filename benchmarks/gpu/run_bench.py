@@ -846,9 +846,10 @@ def main():
     by_pol = {}
     for x in result["phase_runs"]:
         by_pol.setdefault(x["policy"], []).append(x["output_tokens_per_s"])
-    if "specctl" in by_pol and "specctl-noctx" in by_pol:  # run k of one with run k of the other (they took turns)
-        result["phase_pairs"] = {"specctl / specctl-noctx": paired_ratios(by_pol["specctl"], by_pol["specctl-noctx"])}
-        log("phase runs, specctl ÷ specctl-noctx:", result["phase_pairs"])
+    pairs = B.ctx_pairs(by_pol)  # run k of one with run k of the other (they took turns)
+    if pairs:
+        result["phase_pairs"] = {f"{a} / {b}": paired_ratios(by_pol[a], by_pol[b]) for a, b in pairs}
+        log("phase runs, with ÷ without the context axis:", result["phase_pairs"])
     outputs = result["identity"]
     result["identity"] = identity_report(outputs, margins=result.get("identity_margins"))
     result["identity_ids"] = outputs  # every policy's greedy output ids: where two part, and to what

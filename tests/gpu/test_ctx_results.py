@@ -66,6 +66,26 @@ def test_alternating_record_reads_pairs_tables_and_telemetry_by_context_class(tm
     assert t["specctl_over_noctx_mean_ge_1.05"] == 1.0467 and t["band_flaps_eq_0"] == {"0-4095": 0, "4096+": 0}
 
 
+@pytest.mark.parametrize("pols,pairs", [
+    (["specctl", "specctl-noctx"], [("specctl", "specctl-noctx")]),
+    (["specctl-noctx+stockverify", "specctl+stockverify", "specctl", "specctl-noctx", "off"],
+     [("specctl", "specctl-noctx"), ("specctl+stockverify", "specctl-noctx+stockverify")]),
+    (["specctl+stockverify", "specctl-noctx"], []),  # another build is no pair
+])
+def test_the_context_axis_pairs_each_build_with_itself_without_the_axis(pols, pairs):
+    import benchlib as B
+
+    assert B.ctx_pairs(pols) == pairs
+
+
+def test_a_suffixed_pair_has_targets_of_its_own():
+    alt = {"phase_pairs": {"specctl+stockverify / specctl-noctx+stockverify": {"mean": 1.2, "per_round": [1.2]}},
+           "servers": {"specctl+stockverify": {"table_flaps": {"any": 3, "0-4095": 0}, "ctx_bands": 2}}}
+    t = R.targets({"alternating": alt})
+    assert t["specctl_over_noctx+stockverify_mean_ge_1.05"] == 1.2
+    assert t["band_flaps+stockverify_eq_0"] == {"0-4095": 0} and t["ctx_bands+stockverify_ge_2"] == 2
+
+
 @pytest.mark.parametrize("b,bin_", [(1, 1), (3, 2), (32, 32), (33, 32), (47, 40), (300, 256), (0, 0)])
 def test_batch_sizes_count_at_the_bin_below(b, bin_):
     assert R.batch_bin(b) == bin_
