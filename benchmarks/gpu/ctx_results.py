@@ -75,7 +75,8 @@ def last_table(folder: str) -> list[dict] | None:
     pols = json.load(open(p)).get("policies") or []
     if not pols:
         return None
-    last = pols[-1].get("policy", pols[-1])
+    newest = max(range(len(pols)), key=lambda i: (pols[i].get("version", 0), i))  # by version, else the last saved
+    last = pols[newest].get("policy", pols[newest])
     return [{k: r.get(k) for k in ("min_ctx", "max_ctx", "min_batch", "max_batch") if r.get(k) is not None}
             | {"steps": r["config"]["steps"]} for r in last.get("table", [])]
 
