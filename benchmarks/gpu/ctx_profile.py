@@ -124,14 +124,13 @@ def measure(a):
     filler = P.gen_train_prompts(2000, seed=5)
     pools = {L: P.long_prompts(tok, asks[:max(levels)], L, filler, tol=prompt_tol(L, a.new_tokens, ctx_max))
              for L in lengths}
-    for L, items in pools.items():
-        longest = max(x["n_tokens"] for x in items)
-        if ctx_max and longest + a.new_tokens > ctx_max:
-            raise SystemExit(f"a {L}-token prompt came out at {longest} tokens: with {a.new_tokens} new tokens it "
+    longest = {L: max(x["n_tokens"] for x in items) for L, items in pools.items()}
+    for L, n in longest.items():
+        if ctx_max and n + a.new_tokens > ctx_max:
+            raise SystemExit(f"a {L}-token prompt came out at {n} tokens: with {a.new_tokens} new tokens it "
                              f"exceeds the model's context {ctx_max} (SGLang would refuse it and the wave lose it)")
     kv = max(lengths) * max(levels) + a.new_tokens * max(levels)
-    problem = kv_cap_problem(a.max_total_tokens, max(levels), max(x["n_tokens"] for v in pools.values() for x in v),
-                             a.new_tokens)
+    problem = kv_cap_problem(a.max_total_tokens, max(levels), max(longest.values()), a.new_tokens)
     if problem:
         raise SystemExit(problem)
     memf = a.mem_fraction or round(0.8 / max(1, len(policies)), 3)

@@ -17,12 +17,10 @@ Prints each target against its figure: specctl ÷ specctl-noctx mean >= 1.05, no
 from __future__ import annotations
 
 import argparse
-import glob
 import json
 import os
 import statistics as st
 import sys
-from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from benchlib import policy_flaps  # noqa: E402
@@ -53,32 +51,36 @@ def batch_bin(b: int) -> int:
 
 def telemetry_steps(folder: str, split: int) -> list[dict]:
     """A plugin server's recorded telemetry -> median step ms per (context class, batch bin, configuration)."""
-    from specctl.training.costmodel import Sample
-    from specctl.training.readers import FileReport, read_telemetry
+    from offpath_results import read_telemetry
 
     groups: dict[tuple, list[float]] = {}
-    for f in sorted(glob.glob(os.path.join(folder, "telemetry", "*.jsonl*"))):
-        for s in read_telemetry(Path(f), FileReport(path=f)):
-            if not isinstance(s, Sample) or s.step_ms is None or not s.ctx_tokens or s.batch_size < 1:
-                continue
-            cls = "long" if s.ctx_tokens / s.batch_size >= split else "short"
-            groups.setdefault((cls, batch_bin(s.batch_size), s.config), []).append(s.step_ms)
+    for s in read_telemetry(folder):
+        if s["step_ms"] is None or not s["ctx_tokens"] or s["batch_size"] < 1:
+            continue
+        cls = "long" if s["ctx_tokens"] / s["batch_size"] >= split else "short"
+        cfg = s["config"]
+        groups.setdefault((cls, batch_bin(s["batch_size"]), (cfg["steps"], cfg["topk"], cfg["draft_tokens"])),
+                          []).append(s["step_ms"])
     return [{"ctx": k[0], "batch_from": k[1], "config": {"steps": k[2][0], "topk": k[2][1], "draft_tokens": k[2][2]},
              "steps": len(v), "step_ms_med": round(st.median(v), 3)} for k, v in sorted(groups.items())]
 
 
-def last_table(folder: str) -> list[dict] | None:
-    """The last policy version's table rows of run_bench's specctl-<policy>/policies.json."""
+def last_policy(folder: str) -> dict | None:
+    """The newest policy of run_bench's specctl-<policy>/policies.json (by version, else the last saved)."""
     p = os.path.join(folder, "policies.json")
     if not os.path.exists(p):
         return None
     pols = json.load(open(p)).get("policies") or []
     if not pols:
         return None
-    newest = max(range(len(pols)), key=lambda i: (pols[i].get("version", 0), i))  # by version, else the last saved
-    last = pols[newest].get("policy", pols[newest])
+    newest = max(range(len(pols)), key=lambda i: (pols[i].get("version", 0), i))
+    return pols[newest].get("policy", pols[newest])
+
+
+def table_rows(policy: dict) -> list[dict]:
+    """A policy's table as the record keeps it: bounds and steps per row."""
     return [{k: r.get(k) for k in ("min_ctx", "max_ctx", "min_batch", "max_batch") if r.get(k) is not None}
-            | {"steps": r["config"]["steps"]} for r in last.get("table", [])]
+            | {"steps": r["config"]["steps"]} for r in policy.get("table", [])]
 
 
 def alternating(bench: dict, log_dir: str | None, split: int) -> dict:
@@ -101,12 +103,11 @@ def alternating(bench: dict, log_dir: str | None, split: int) -> dict:
         s["daemon_args"] = srv.get("daemon_args")
         if log_dir:
             sdir = os.path.join(log_dir, f"specctl-{pol.replace(':', '_')}")
-            s["last_table"] = last_table(sdir)
+            last = last_policy(sdir)
+            s["last_table"] = table_rows(last) if last else None
             s["telemetry_steps"] = telemetry_steps(sdir, split)
-            if s["last_table"] is not None:  # the flaps of the table as saved, where the bench has none
-                s["table_flaps"] = s["table_flaps"] or policy_flaps(
-                    {"table": [dict(min_batch=r["min_batch"], config={"steps": r["steps"]},
-                                    **{k: r[k] for k in ("min_ctx", "max_ctx") if k in r}) for r in s["last_table"]]})
+            if last:  # the flaps of the table as saved, where the bench has none
+                s["table_flaps"] = s["table_flaps"] or policy_flaps(last)
         out["servers"][pol] = s
     return out
 

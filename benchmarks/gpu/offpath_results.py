@@ -121,7 +121,8 @@ def clean_step_costs(log_dirs: list[str], concurrencies: list[int]) -> list[dict
 def read_telemetry(folder: str) -> list[dict]:
     """The step records of a run_bench plugin server's recorded telemetry (its specctl-<policy>/telemetry/), read
     by specctl's own reader (wire-validated, damaged gzip streams kept up to the damage), in the form
-    benchlib.iteration_gaps takes."""
+    benchlib.iteration_gaps takes, with each step's whole configuration and its batch's ctx_tokens (None where
+    the plugin sent none) for ctx_results."""
     import glob
     from pathlib import Path
 
@@ -132,7 +133,8 @@ def read_telemetry(folder: str) -> list[dict]:
     for f in sorted(glob.glob(os.path.join(folder, "telemetry", "*.jsonl*"))):
         for s in read_samples(Path(f), FileReport(path=f)):
             out.append({"iter": s.iter, "ts": s.ts, "step_ms": s.step_ms, "batch_size": s.batch_size,
-                        "config": {"steps": s.config[0]}, "rank": s.rank})
+                        "config": {"steps": s.config[0], "topk": s.config[1], "draft_tokens": s.config[2]},
+                        "rank": s.rank, "ctx_tokens": s.ctx_tokens})
     return out
 
 
