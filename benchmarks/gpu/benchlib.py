@@ -460,6 +460,20 @@ def pct(xs, q):
 T95 = {2: 12.71, 3: 4.30, 4: 3.18, 5: 2.78, 6: 2.57, 7: 2.45, 8: 2.36, 9: 2.31, 10: 2.26}  # Student t, 95 %, by n
 
 
+def alt_phases(concurrencies, duration_s=15):
+    """--phase-set alternating: at each concurrency a short-prompt phase, then a long-prompt one. The
+    concurrencies should lie between the long prompts' spec->off crossover and the short ones', where one table
+    for any context must be wrong for one of them: 32 / 48 (the default) for the H200 testbed's 2026-12-01
+    tables; on SGLang's stock verify kernel (+stockverify) the H100 testbed's lie far lower (2026-12-06: s3 at
+    ~690 tokens of context 1.58-1.64x the no-spec step at c = 4-16 and 2.05x at 32, at ~6,300 tokens 3.5-3.6x at
+    every c), hence 8 / 16 there."""
+    cs = [int(c) for c in (concurrencies.split(",") if isinstance(concurrencies, str) else concurrencies)
+          if str(c).strip()]
+    if not cs or min(cs) < 1:
+        raise ValueError(f"alternating phases need concurrencies >= 1, got {concurrencies!r}")
+    return [{"duration_s": duration_s, "concurrency": c, "mix": {cls: 1.0}} for c in cs for cls in ("short", "long")]
+
+
 def ctx_pairs(policies):
     """(specctl<suffix>, specctl-noctx<suffix>) for every suffix both ran (e.g. +stockverify: the context axis
     where verify depends on the context the most), the plain pair first."""

@@ -2,7 +2,7 @@
 outputs:
 
   python3 benchmarks/gpu/ctx_results.py OUT.json [--steps G/ctx-steps.json ...] [--alternating H/bench-g0.json
-      --logs H's g0/ (g0.tgz or server-logs.tgz extracted)] [--call "command" ...] [--ctx-split 2048]
+      --logs H's g0/ (g0.tgz or server-logs.tgz extracted)] ... [--call "command" ...] [--ctx-split 2048]
 
 --steps: ctx_profile.py measure outputs (several calls' merge as `convert` merges them): per policy, prompt length
 and concurrency the decode step (median over rounds) and, per prompt length and concurrency, each speculative
@@ -12,6 +12,8 @@ specctl ÷ specctl-noctx run by run (`phase_pairs`), each server's last table pe
 (speculating rows above its first plain-decode row), and with --logs what each server's steps cost by
 configuration, batch size and context class (the telemetry's step_ms: the build the plugin runs, split-KV verify
 and decode state included), the class being the mean context per request below / from --ctx-split.
+Several --alternating calls (H and H-stock, say; each with its --logs, in the same order) go into one record when
+their servers' names differ: their runs, pairs and servers side by side.
 Prints each target against its figure: specctl ÷ specctl-noctx mean >= 1.05, no flap in any context band.
 """
 from __future__ import annotations
@@ -112,6 +114,20 @@ def alternating(bench: dict, log_dir: str | None, split: int) -> dict:
     return out
 
 
+def merge_alternating(parts: list[dict]) -> dict:
+    """Several calls' alternating() -> one: runs, pairs and servers side by side (a server named twice is an error:
+    the record could not say which call a figure came from)."""
+    out = {"phase_runs": [], "phase_pairs": {}, "servers": {}}
+    for i, part in enumerate(parts):
+        twice = sorted(set(part["servers"]) & set(out["servers"]))
+        if twice:
+            raise SystemExit(f"ctx_results: --alternating number {i + 1} names servers another one does: {twice}")
+        out["phase_runs"] += [r | {"call": i} for r in part["phase_runs"]] if len(parts) > 1 else part["phase_runs"]
+        out["phase_pairs"] |= part["phase_pairs"]
+        out["servers"] |= part["servers"]
+    return out
+
+
 def targets(rec: dict) -> dict:
     t = {}
     alt = rec.get("alternating")
@@ -130,19 +146,24 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("out")
     ap.add_argument("--steps", action="append", default=[])
-    ap.add_argument("--alternating")
-    ap.add_argument("--logs")
+    ap.add_argument("--alternating", action="append", default=[])
+    ap.add_argument("--logs", action="append", default=[], help="each --alternating call's server logs, in order")
     ap.add_argument("--call", action="append", default=[])
     ap.add_argument("--ctx-split", type=int, default=2048, help="mean context tokens per request: short below, long from")
     a = ap.parse_args()
     rec = {"calls": a.call}
     if a.steps:
         rec["ctx_steps"] = ctx_steps(a.steps)
+    if a.logs and len(a.logs) != len(a.alternating):
+        ap.error(f"{len(a.logs)} --logs for {len(a.alternating)} --alternating: give each call its logs, in order")
     if a.alternating:
-        bench = json.load(open(a.alternating))
-        for k in ("gpu", "sglang", "attention_backend", "model", "draft"):
-            rec.setdefault(k, bench.get(k))
-        rec["alternating"] = alternating(bench, a.logs, a.ctx_split)
+        parts = []
+        for i, path in enumerate(a.alternating):
+            bench = json.load(open(path))
+            for k in ("gpu", "sglang", "attention_backend", "model", "draft"):
+                rec.setdefault(k, bench.get(k))
+            parts.append(alternating(bench, a.logs[i] if a.logs else None, a.ctx_split))
+        rec["alternating"] = merge_alternating(parts)
         rec["ctx_split"] = a.ctx_split
     if a.steps:
         rec["gpu"] = rec.get("gpu") or rec["ctx_steps"]["gpu"]

@@ -17,7 +17,7 @@ Step time per decode batch comes from SGLang's `Decode batch` log lines: 1000 * 
 accept_len / gen_throughput (ms); the static policies' medians at each swept batch size give the cost
 profile in the simulator format (specctl.profile/1).
 
-With --phase-set alternating the phases are ALT_PHASES: the prompts alternate between the short benchmark ones
+With --phase-set alternating the phases are ALT_PHASES (or at --alt-concurrency): the prompts alternate between the short benchmark ones
 (~100-300 tokens) and retrieval-augmented ones of --long-prompt-tokens (a generated document, then the request;
 prompts.long_prompts), at concurrencies between the two spec->off crossovers; compare `specctl` with
 `specctl-noctx` (the same plugin, its daemon on --no-ctx-axis: one table for any context) with --interleave
@@ -67,14 +67,9 @@ PHASES = [  # duration_s, concurrency, mix
     {"duration_s": 20, "concurrency": 128, "mix": {"chat": 0.5, "code": 0.5}},
     {"duration_s": 20, "concurrency": 1, "mix": {"chat": 1.0}},
 ]
-# the prompts alternate between short and long contexts; the concurrencies lie between the two crossovers (the
-# H200 testbed's table flapped between s3 and off from batch 14 to 76 on such traffic)
-ALT_PHASES = [
-    {"duration_s": 15, "concurrency": 32, "mix": {"short": 1.0}},
-    {"duration_s": 15, "concurrency": 32, "mix": {"long": 1.0}},
-    {"duration_s": 15, "concurrency": 48, "mix": {"short": 1.0}},
-    {"duration_s": 15, "concurrency": 48, "mix": {"long": 1.0}},
-]
+# the prompts alternate between short and long contexts; the concurrencies (--alt-concurrency) lie between the two
+# crossovers (the H200 testbed's table flapped between s3 and off from batch 14 to 76 on such traffic)
+ALT_PHASES = B.alt_phases("32,48")
 T0 = time.time()
 
 
@@ -532,6 +527,9 @@ def main():
     ap.add_argument("--phase-scale", type=float, default=1.0, help="multiply phase durations")
     ap.add_argument("--phase-set", choices=("default", "alternating"), default="default",
                     help="alternating: ALT_PHASES, short and --long-prompt-tokens prompts taking turns")
+    ap.add_argument("--alt-concurrency", default="32,48",
+                    help="--phase-set alternating: a short and a long phase at each of these concurrencies "
+                         "(benchlib.alt_phases; 8,16 for SGLang's stock verify on the H100 testbed)")
     ap.add_argument("--long-prompt-tokens", type=int, default=6000, help="the long prompts of --phase-set alternating")
     ap.add_argument("--tokenizer", default=None, help="tokenizer dir (default: --model); 'simple' for CPU tests")
     ap.add_argument("--out", required=True)
@@ -566,7 +564,7 @@ def main():
     mtb, he = P.load_benchmark_sets(a.model, a.prompts, tok=tok)
     mixed = [x for pair in zip(mtb, he) for x in pair] + he[len(mtb):]
     pools = {"chat": mtb, "code": he}
-    phase_set = ALT_PHASES if a.phase_set == "alternating" else PHASES
+    phase_set = B.alt_phases(a.alt_concurrency) if a.phase_set == "alternating" else PHASES
     if a.phase_set == "alternating":
         pools = {"short": mixed, "long": P.long_prompts(tok, mixed, a.long_prompt_tokens, P.gen_train_prompts(2000, seed=5))}
     levels = [int(x) for x in a.levels.split(",") if x]

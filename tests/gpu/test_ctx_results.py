@@ -89,3 +89,16 @@ def test_a_suffixed_pair_has_targets_of_its_own():
 @pytest.mark.parametrize("b,bin_", [(1, 1), (3, 2), (32, 32), (33, 32), (47, 40), (300, 256), (0, 0)])
 def test_batch_sizes_count_at_the_bin_below(b, bin_):
     assert R.batch_bin(b) == bin_
+
+
+def test_two_alternating_calls_share_one_record_and_a_server_named_twice_is_refused():
+    part = lambda pol, mean: {"phase_runs": [{"policy": pol, "run": 1}],  # noqa: E731
+                              "phase_pairs": {f"{pol} / specctl-noctx{pol[len('specctl'):]}": {"mean": mean}},
+                              "servers": {pol: {"ctx_bands": 2, "table_flaps": {"any": 0, "0-2047": 0}}}}
+    alt = R.merge_alternating([part("specctl", 1.046), part("specctl+stockverify", 1.026)])
+    assert [r["call"] for r in alt["phase_runs"]] == [0, 1]
+    t = R.targets({"alternating": alt})
+    assert t["specctl_over_noctx_mean_ge_1.05"] == 1.046 and t["specctl_over_noctx+stockverify_mean_ge_1.05"] == 1.026
+    assert R.merge_alternating([part("specctl", 1.0)]) == part("specctl", 1.0)  # one call: as it was
+    with pytest.raises(SystemExit, match="names servers another one does"):
+        R.merge_alternating([part("specctl", 1.0), part("specctl", 1.1)])

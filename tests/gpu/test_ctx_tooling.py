@@ -162,7 +162,7 @@ def test_run_bench_alternating_workload_specctl_with_and_without_the_context_axi
     env = dict(os.environ, PYTHONPATH=MOCK + os.pathsep + os.environ.get("PYTHONPATH", ""))
     cmd = [sys.executable, os.path.join(GPU, "run_bench.py"), "--model", str(tmp_path), "--variant", "mock", "--draft", "/d",
            "--policies", "specctl,specctl-noctx", "--levels", "2", "--phase", "--phase-set", "alternating",
-           "--long-prompt-tokens", "600", "--interleave", "--phase-repeats", "2", "--phase-scale", "0.1",
+           "--alt-concurrency", "2,3", "--long-prompt-tokens", "600", "--interleave", "--phase-repeats", "2", "--phase-scale", "0.1",
            "--specctl-learn", "2", "--out", str(out), "--prompts", bench_prompts,
            "--tokenizer", "simple", "--deadline-s", "300", "--specctl-site", str(tmp_path / "site"), "--new-tokens", "32",
            "--port0", port0]
@@ -174,7 +174,8 @@ def test_run_bench_alternating_workload_specctl_with_and_without_the_context_axi
     # the servers took turns, run by run, and the pairs are run k of one with run k of the other
     assert [x["policy"] for x in res["phase_runs"]] == ["specctl", "specctl-noctx", "specctl-noctx", "specctl"]
     assert all(x["phase_set"] == "alternating" and x["errors"] == 0 for x in res["phase_runs"])
-    assert {x["mix"].popitem()[0] for x in res["phase_runs"][0]["phases"]} == {"short", "long"}
+    assert [(p["concurrency"], *p["mix"]) for p in res["phase_runs"][0]["phases"]] == \
+        [(2, "short"), (2, "long"), (3, "short"), (3, "long")]  # --alt-concurrency
     for x in res["phase_runs"]:  # every phase of every run has its own figures, and they add up to the run's
         pp = x["per_phase"]
         assert [p["phase"] for p in pp] == list(range(len(x["phases"]))) and all(p["requests"] > 0 for p in pp)
@@ -199,3 +200,19 @@ def test_replay_ctx_fit_reads_the_h200_recording(tmp_path):
     assert d["steps"] > 5000 and d["table"]
     s3 = d["configs"]["s3"]["within_batch_size"]
     assert s3["1"]["us_per_ctx_token"] > 2 * s3["8"]["us_per_ctx_token"] > 0
+
+
+@pytest.mark.parametrize("arg,want", [
+    ("32,48", [(32, "short"), (32, "long"), (48, "short"), (48, "long")]),
+    ("8,16", [(8, "short"), (8, "long"), (16, "short"), (16, "long")]),
+    ([4], [(4, "short"), (4, "long")]),
+])
+def test_alternating_phases_pair_a_short_and_a_long_phase_at_each_concurrency(arg, want):
+    got = B.alt_phases(arg)
+    assert [(p["concurrency"], *p["mix"]) for p in got] == want and {p["duration_s"] for p in got} == {15}
+
+
+@pytest.mark.parametrize("bad", ["", "0,16", "x"])
+def test_alternating_phases_refuse_no_or_bad_concurrencies(bad):
+    with pytest.raises(ValueError):
+        B.alt_phases(bad)
