@@ -89,6 +89,13 @@ class PluginSettings:
     # "check": the first fi_verify_check_steps plans are built both ways and compared, a mismatch turns it off
     fi_verify_host_plan: str = "off"
     fi_verify_check_steps: int = 32
+    # SPECCTL_HOST_SEQ_LENS: a step after a decode-state step takes its sequence lengths from the host (each
+    # request gained one token) instead of SGLang 0.5.17's device pull and its wait for the previous step, which
+    # the overlap scheduler runs for backends that plan from host lengths (flashinfer) (plugin/host_seq_lens.py).
+    # "off" (the default until a GPU run has checked it), "on", or "check": the first host_seq_lens_check_steps
+    # such steps pull too and compare, a difference turns it off
+    host_seq_lens: str = "off"
+    host_seq_lens_check_steps: int = 32
     # SPECCTL_DRAFT_CATCHUP: steps 0 defers the draft's 1-token extends and extends the draft over what is
     # pending once per this many steps-0 steps and before the first draft after plain decode
     # (plugin/draft_catchup.py); 0 = off, SGLang's extend every step (the default: measured on the H200 it
@@ -112,6 +119,10 @@ class PluginSettings:
                              f"not {self.fi_verify_host_plan!r}")
         if self.fi_verify_check_steps < 1:
             raise ValueError(f"SPECCTL_FI_VERIFY_HOST_PLAN=check:N needs N >= 1, got {self.fi_verify_check_steps}")
+        if self.host_seq_lens not in FI_VERIFY_HOST_PLAN_MODES:
+            raise ValueError(f"SPECCTL_HOST_SEQ_LENS must be one of on, off, check, check:N, not {self.host_seq_lens!r}")
+        if self.host_seq_lens_check_steps < 1:
+            raise ValueError(f"SPECCTL_HOST_SEQ_LENS=check:N needs N >= 1, got {self.host_seq_lens_check_steps}")
         if self.draft_catchup != 0 and self.draft_catchup < 2:
             raise ValueError(f"SPECCTL_DRAFT_CATCHUP must be off, on or a number of steps >= 2, got {self.draft_catchup}")
         if (self.curve_secret_key_file is None) != (self.curve_server_key_file is None):
@@ -133,6 +144,8 @@ class PluginSettings:
         `SPECCTL_PLAIN_DECODE_FLASHINFER` (`on` | `off`: the decode state on flashinfer too),
         `SPECCTL_FI_VERIFY_HOST_PLAN` (`off` | `on` | `check` | `check:N`: flashinfer's verify plan from host
         values; `check` compares it with plan()'s for the first N plans, 32 by default),
+        `SPECCTL_HOST_SEQ_LENS` (`off` | `on` | `check` | `check:N`: the step after a decode-state step takes its
+        sequence lengths from the host; `check` compares them with the device's for the first N, 32 by default),
         `SPECCTL_DRAFT_CATCHUP` (`off` | `on` | N >= 2: steps 0 extends the draft once per N steps-0 steps,
         16 with `on`, and before the first draft after them, instead of every step)."""
 
@@ -177,6 +190,9 @@ class PluginSettings:
         kw["fi_verify_host_plan"], steps = _fi_verify_host_plan(get("FI_VERIFY_HOST_PLAN"))
         if steps is not None:
             kw["fi_verify_check_steps"] = steps
+        kw["host_seq_lens"], steps = _check_mode(get("HOST_SEQ_LENS"), "SPECCTL_HOST_SEQ_LENS")
+        if steps is not None:
+            kw["host_seq_lens_check_steps"] = steps
         if get("POLICY_FILE"):
             kw["policy_file"] = get("POLICY_FILE")
             kw.setdefault("mode", "file")
@@ -201,6 +217,11 @@ def _draft_catchup(value: Optional[str]) -> int:
 
 def _fi_verify_host_plan(value: Optional[str]) -> tuple[str, Optional[int]]:
     """SPECCTL_FI_VERIFY_HOST_PLAN: (mode, check steps or None for the default)."""
+    return _check_mode(value, "SPECCTL_FI_VERIFY_HOST_PLAN")
+
+
+def _check_mode(value: Optional[str], name: str) -> tuple[str, Optional[int]]:
+    """An off / on / check / check:N switch: (mode, check steps or None for the default)."""
     v = (value or "off").lower()
     if v in SWITCH_ON:
         return "on", None
@@ -212,7 +233,7 @@ def _fi_verify_host_plan(value: Optional[str]) -> tuple[str, Optional[int]]:
             return "check", int(n) if sep else None
         except ValueError:
             pass
-    raise ValueError(f"SPECCTL_FI_VERIFY_HOST_PLAN must be one of on, off, check, check:N, not {value!r}")
+    raise ValueError(f"{name} must be one of on, off, check, check:N, not {value!r}")
 
 
 @dataclass(frozen=True)

@@ -56,6 +56,8 @@ class PlainDecode:
         # trivial verify
         self.logprobs = logprobs
         self.pending: Any = None  # the ScheduleBatch of the verify call in flight
+        # the rows and committed host lengths the last decode forward planned with (SPECCTL_HOST_SEQ_LENS)
+        self.planned: Optional[tuple[Any, Any]] = None
         self.ran = False  # the forward of the verify call in flight was the decode forward
         self.last_graph = False
         self.num_decode_steps = 0
@@ -243,7 +245,7 @@ def around_verify(plain: PlainDecode, orig: Callable[..., Any], worker: Any, bat
         plain.num_verify_steps += 1
         return orig(worker, batch, *args, **kwargs)
     mr = worker._target_worker.model_runner
-    plain.pending, plain.ran = batch, False
+    plain.pending, plain.ran, plain.planned = batch, False, None
     try:
         with _attrs(mr, decode_cuda_graph_runner=None):  # SGLang plans no verify graph for this step
             result = orig(worker, batch, *args, **kwargs)
@@ -288,6 +290,7 @@ def around_target_forward(plain: PlainDecode, orig: Callable[..., Any], target_w
         return orig(target_worker, *args, **kwargs)
     mr.war_fastpath_read_done_event = None  # a DECODE replay publishes one; only the draft's is read
     plain.ran, plain.last_graph = True, can_graph
+    plain.planned = (getattr(batch, "req_pool_indices_cpu", None), batch.seq_lens_cpu)
     plain.num_decode_steps += 1
     plain.num_graph_steps += int(can_graph)
     return out

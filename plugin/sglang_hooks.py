@@ -56,6 +56,16 @@ SGLang 0.5.17 only: on an SGLang with SGLANG_OPT_FLASHINFER_VERIFY_HOST_PLAN the
     AROUND   FlashInferIndicesUpdaterPrefill.call_begin_forward       a marked wrapper is planned from seq_lens_cpu,
                                                   without plan()'s four blocking device-to-host reads
 
+The decode state's sequence lengths kept on the host (SPECCTL_HOST_SEQ_LENS, off by default; plugin/host_seq_lens.py;
+SGLang 0.5.17 only; with the decode state):
+
+    AROUND   FutureMap.publish                     a decode-state step's lengths (its planned ones plus one,
+                                                  handed over by the verify hook) become the host's copy;
+                                                  any other publish empties it
+    AROUND   FutureMap.resolve_seq_lens_cpu        rows the copy holds: SGLang's resolve without its host pull
+                                                  and the wait for the previous step (flashinfer's), the
+                                                  lengths from the copy
+
 Tree states (topk > 1; only when the adaptive config has a `specctl.states` section, see
 plugin/launch_args.py; each hook passes straight through otherwise):
 
@@ -124,6 +134,9 @@ class Targets:
                          "init_forward_metadata_out_graph")
     fi_begin_forward: str = ("sglang.srt.layers.attention.flashinfer_backend.FlashInferIndicesUpdaterPrefill."
                              "call_begin_forward")
+    # the decode state's lengths on the host only (0.5.17)
+    fmap_publish: str = "sglang.srt.managers.overlap_utils.FutureMap.publish"
+    fmap_resolve: str = "sglang.srt.managers.overlap_utils.FutureMap.resolve_seq_lens_cpu"
 
     def plain_targets(self) -> tuple[str, ...]:
         return (self.init_graphs, self.verify, self.target_forward)
@@ -133,6 +146,9 @@ class Targets:
 
     def fi_plan_targets(self) -> tuple[str, ...]:
         return (self.fi_out_graph, self.fi_begin_forward)
+
+    def host_lens_targets(self) -> tuple[str, ...]:
+        return (self.fmap_publish, self.fmap_resolve)
 
     def tree_targets(self) -> tuple[str, ...]:
         return (self.build, self.apply, self.extend_decode, self.extend_prefill, self.draft, self.logits_rows)
@@ -221,6 +237,7 @@ class PluginRuntime:
         self.plain: Any = None  # the decode state (plain_decode.PlainDecode), once built
         self.catchup: Any = None  # the deferred steps-0 draft extends (draft_catchup.DraftCatchup), once built
         self.fi_plan: Any = None  # fi_verify_plan.HostPlan while SPECCTL_FI_VERIFY_HOST_PLAN hooks SGLang
+        self.host_lens: Any = None  # host_seq_lens.HostSeqLens while SPECCTL_HOST_SEQ_LENS hooks SGLang
         # the batch's context, read by the forward hook for get_steps_for_batch: (batch size, ctx_tokens)
         self._ctx_pending: Optional[tuple[int, int]] = None
         self._ctx_get: Optional[Callable[[Any], int]] = None  # per-request committed length, by version
@@ -414,6 +431,9 @@ class PluginRuntime:
         if self.fi_plan is not None:
             consequence.update({t: "flashinfer verify plans keep plan()'s blocking device-to-host reads"
                                 for t in self.targets.fi_plan_targets()})
+        if self.host_lens is not None:
+            consequence.update({t: "every step pulls its sequence lengths from the device (SGLang's path)"
+                                for t in self.targets.host_lens_targets()})
         self.missing_hooks = {t for t in consequence if t not in patched}
         self.hook_problems = [f"hook on {t} did not take effect: {why}"
                               for t, why in consequence.items() if t in self.missing_hooks]
@@ -752,6 +772,16 @@ def install(settings: PluginSettings, *, targets: Targets = SGLANG_TARGETS,
             rt.fi_plan = HostPlan(settings.fi_verify_host_plan, check_steps=settings.fi_verify_check_steps)
             HookRegistry.register(targets.fi_out_graph, _around_fi_out_graph, HookType.AROUND)
             HookRegistry.register(targets.fi_begin_forward, _around_fi_call_begin_forward, HookType.AROUND)
+    if settings.host_seq_lens != "off":
+        why = _host_lens_problem(settings, targets)
+        if why is None:
+            from .host_seq_lens import HostSeqLens
+
+            rt.host_lens = HostSeqLens(settings.host_seq_lens, check_steps=settings.host_seq_lens_check_steps)
+            HookRegistry.register(targets.fmap_publish, _around_fmap_publish, HookType.AROUND)
+            HookRegistry.register(targets.fmap_resolve, _around_fmap_resolve, HookType.AROUND)
+        else:
+            log.warning("specctl: SPECCTL_HOST_SEQ_LENS=%s: %s", settings.host_seq_lens, why)
     if settings.plain_decode or settings.draft_catchup:
         HookRegistry.register(targets.init_graphs, _after_init_graphs, HookType.AFTER)
     if settings.plain_decode:
@@ -1029,7 +1059,65 @@ def _around_verify(orig: Callable[..., Any], worker: Any, batch: Any, *args: Any
         return orig(worker, batch, *args, **kwargs)
     from . import plain_decode
 
-    return plain_decode.around_verify(plain, orig, worker, batch, args, kwargs)
+    plain.planned = None
+    out = plain_decode.around_verify(plain, orig, worker, batch, args, kwargs)
+    hl = getattr(rt, "host_lens", None)
+    if hl is not None and plain.planned is not None and plain.ran and plain.on:
+        try:
+            hl.on_decode_step(*plain.planned)
+        except Exception as e:  # noqa: BLE001 - the next step pulls its lengths as SGLang does
+            hl.turn_off(f"{type(e).__name__}: {e}")
+    return out
+
+
+def _host_lens_problem(settings: PluginSettings, targets: Targets) -> Optional[str]:
+    """Why SPECCTL_HOST_SEQ_LENS cannot apply here, or None."""
+    if not settings.plain_decode:
+        return "it keeps the decode state's lengths, and SPECCTL_PLAIN_DECODE is off; nothing done"
+    import pkgutil
+
+    from .host_seq_lens import supported
+
+    mod, cls, name = targets.fmap_resolve.rsplit(".", 2)
+    try:
+        resolve = getattr(getattr(pkgutil.resolve_name(mod), cls), name)
+    except Exception as e:  # noqa: BLE001
+        return f"{targets.fmap_resolve} not found ({type(e).__name__}: {e}); nothing done"
+    return supported(resolve)
+
+
+def _overlap_debug_assert() -> bool:
+    """SGLang's FutureMap debug mode poisons rows as it consumes them: the host copy stays out of its way."""
+    try:
+        from sglang.srt.managers import overlap_utils
+
+        return bool(getattr(overlap_utils, "_DEBUG_ASSERT", False))
+    except Exception:  # noqa: BLE001
+        return True
+
+
+def _around_fmap_publish(orig: Callable[..., Any], fmap: Any, *args: Any, **kwargs: Any) -> Any:
+    rt = _RUNTIME
+    hl = rt.host_lens if rt is not None else None
+    if hl is None or not hl.on:
+        return orig(fmap, *args, **kwargs)
+    from .host_seq_lens import around_publish
+
+    rest = dict(kwargs)
+    indices = args[0] if args else rest.pop("future_indices")
+    return around_publish(hl, orig, fmap, indices, *args[1:], **rest)
+
+
+def _around_fmap_resolve(orig: Callable[..., Any], fmap: Any, *args: Any, **kwargs: Any) -> Any:
+    rt = _RUNTIME
+    hl = rt.host_lens if rt is not None else None
+    if hl is None or not hl.on:
+        return orig(fmap, *args, **kwargs)
+    from .host_seq_lens import around_resolve
+
+    rest = dict(kwargs)
+    batch = args[0] if args else rest.pop("batch")
+    return around_resolve(hl, _overlap_debug_assert, orig, fmap, batch, *args[1:], **rest)
 
 
 def _around_target_forward(orig: Callable[..., Any], target_worker: Any, *args: Any, **kwargs: Any) -> Any:

@@ -27,6 +27,8 @@ LOGPROBS = "+lp"  # plugin policy suffix: SPECCTL_PLAIN_DECODE_LOGPROBS=on (logp
 FLASHINFER = "+fi"  # plugin policy suffix: SPECCTL_PLAIN_DECODE_FLASHINFER=on (the decode state on flashinfer too)
 FI_HOST_PLAN = "+fihost"  # plugin policy suffix: SPECCTL_FI_VERIFY_HOST_PLAN=check (flashinfer's verify plan from host
 #                           values, compared with plan()'s for its first 32 plans; a mismatch logs and turns it off)
+HOST_LENS = "+hostlens"  # plugin policy suffix: SPECCTL_HOST_SEQ_LENS=check (a step after a decode-state step takes its
+#                         sequence lengths from the host, compared with the device pull for its first 32 steps)
 CATCHUP = "+catchup"  # plugin policy suffix: SPECCTL_DRAFT_CATCHUP=on (steps 0 extends the draft once per 16 steps-0 steps
 #                       and before the next draft, not every step: plugin/draft_catchup.py)
 SCALAR_ALLOC = "+scalaralloc"  # plugin policy suffix: SPECCTL_SPEC_ALLOC_LIST=off (0.5.17's speculative KV allocation reads
@@ -46,6 +48,8 @@ PLUGIN_SWITCHES = {
                  "it builds its decode state on flashinfer"),
     FI_HOST_PLAN: ("fi_verify_host_plan", True, "SPECCTL_FI_VERIFY_HOST_PLAN", "check",
                    "it plans flashinfer's verify from host values"),
+    HOST_LENS: ("host_seq_lens", True, "SPECCTL_HOST_SEQ_LENS", "check",
+                "it keeps the decode state's sequence lengths on the host"),
     CATCHUP: ("draft_catchup", True, "SPECCTL_DRAFT_CATCHUP", "on", "it defers the steps-0 draft extends"),
     SCALAR_ALLOC: ("spec_alloc_list", False, "SPECCTL_SPEC_ALLOC_LIST", "off",
                    "the plugin hands SGLang's speculative KV allocation its lengths as a list"),
@@ -72,7 +76,8 @@ def parse_policy(pol):
     (its steps-0 state no longer extends the draft; an upshift then drafts from stale state); a plugin policy
     in +verify (SPECCTL_PLAIN_DECODE=off), +deg (SPECCTL_DRAFT_EXTEND_GRAPHS=on, the default) and +nodeg
     (SPECCTL_DRAFT_EXTEND_GRAPHS=off), +splitkv (SPECCTL_SPLITKV_VERIFY=on, the default) and +stockverify
-    (off), +lp (SPECCTL_PLAIN_DECODE_LOGPROBS=on), +fi (SPECCTL_PLAIN_DECODE_FLASHINFER=on), +catchup
+    (off), +lp (SPECCTL_PLAIN_DECODE_LOGPROBS=on), +fi (SPECCTL_PLAIN_DECODE_FLASHINFER=on), +fihost
+    (SPECCTL_FI_VERIFY_HOST_PLAN=check), +hostlens (SPECCTL_HOST_SEQ_LENS=check), +catchup
     (SPECCTL_DRAFT_CATCHUP=on), +scalaralloc (SPECCTL_SPEC_ALLOC_LIST=off), in any order
     (PLUGIN_SWITCHES). Any policy may end in +nooverlap (--disable-overlap-schedule) and +eager
     (--disable-cuda-graph): SERVER_FLAGS."""

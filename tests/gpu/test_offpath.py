@@ -446,6 +446,14 @@ def test_fi_suffix_builds_the_decode_state_on_flashinfer():
         B.parse_policy("static:s3+fi")
 
 
+def test_hostlens_suffix_checks_the_host_lengths_beside_the_decode_state_on_flashinfer():
+    _, env, _ = B.policy_launch_args("plugin-fixed:1:s3+fi+hostlens", "/d")
+    assert env.get("SPECCTL_HOST_SEQ_LENS") == "check" and env.get("SPECCTL_PLAIN_DECODE_FLASHINFER") == "on"
+    assert "SPECCTL_HOST_SEQ_LENS" not in B.policy_launch_args("plugin-fixed:1:s3+fi", "/d")[1]
+    with pytest.raises(ValueError, match="plugin"):
+        B.parse_policy("off+hostlens")
+
+
 def test_spread_tokens_is_a_fixed_sequence_around_the_cap():
     assert [B.spread_tokens(128, 0, k) for k in range(5)] == [128] * 5
     seq = [B.spread_tokens(128, 32, k) for k in range(400)]

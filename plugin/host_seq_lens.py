@@ -1,0 +1,187 @@
+"""The decode state's sequence lengths kept on the host (SPECCTL_HOST_SEQ_LENS; SGLang 0.5.17; off by default).
+
+Under the overlap scheduler SGLang's spec-v2 path learns each step's sequence lengths from the device:
+`FutureMap.resolve_seq_lens_cpu` copies them on a private stream and then `synchronize()`s, whenever an attention
+backend needs them on the host (flashinfer does: its plans read host lengths; triton does not). The scheduler
+thread therefore waits for the previous step to finish on the GPU before it prepares the next one, and the GPU
+idles while it does (docs/flashinfer-spec-copies.md, S1; fix P4). A speculative step cannot avoid that: how many
+drafts were accepted exists only on the GPU. The decode state can: every request gains exactly one token a step,
+so the lengths after a decode-state step are the lengths it planned with, plus one, known on the host when the
+step is launched.
+
+How it stays exact:
+  * the decode state's verify call, once its decode forward ran, hands over the batch's request-pool rows and
+    their lengths after the step (`on_decode_step`);
+  * the publish that follows (`FutureMap.publish`, SGLang's own write of those lengths to the device) records
+    them as the host's copy, when it wrote the same number of rows; every other publish (a prefill, a speculative
+    step, the trivial verify, seeding) empties the copy;
+  * a resolve whose rows the copy holds every one of takes the lengths from it: SGLang's own code still gathers
+    the device lengths and orders the forward stream after the publish, only the host pull and its wait go;
+    any other resolve runs as SGLang wrote it. A hand-over left unconsumed when the next resolve comes is dropped.
+
+`check` (or `check:N`): the first N resolves that could use the copy run SGLang's pull as well and compare; a
+difference turns it off for the process (logged once with the rows), N agreements turn it on. Any fault in
+here does the same: SGLang's path runs, the tokens are never in question.
+Every rank holds the same batches and lengths, so every rank makes the same choice at every step.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable, Optional
+
+import torch
+
+log = logging.getLogger("specctl")
+
+MODES = ("off", "on", "check")
+DEFAULT_CHECK_STEPS = 32
+
+
+class HostSeqLens:
+    """The host's copy of the lengths the last decode-state publish wrote, and its use by the next resolve."""
+
+    def __init__(self, mode: str, check_steps: int = DEFAULT_CHECK_STEPS):
+        if mode not in MODES:
+            raise ValueError(f"host sequence lengths: mode must be one of {', '.join(MODES)}, not {mode!r}")
+        self.mode = mode
+        self.check_left = check_steps if mode == "check" else 0
+        self.pending: Optional[tuple[list[int], list[int]]] = None  # (rows, lengths after the step) in flight
+        self.lens: dict[int, int] = {}  # request-pool row -> its length after the last decode-state publish
+        self.off_reason: Optional[str] = None
+        self.num_host = 0  # resolves served from the host copy
+        self.num_device = 0  # resolves that pulled the lengths from the device
+        self.num_checked = 0
+
+    def status(self) -> dict[str, Any]:
+        return {"mode": self.mode, "on": self.on, "off_reason": self.off_reason, "host_resolves": self.num_host,
+                "device_resolves": self.num_device, "checked": self.num_checked, "check_left": self.check_left}
+
+    @property
+    def on(self) -> bool:
+        return self.mode != "off" and self.off_reason is None
+
+    def turn_off(self, why: str) -> None:
+        if self.off_reason is None:
+            self.off_reason = why
+            log.warning("specctl: host sequence lengths off: %s; SGLang's device pull for every step from now on", why)
+        self.pending, self.lens = None, {}
+
+    # ------------------------------------------------------------------ the decode state's hand-over
+
+    def on_decode_step(self, rows: Any, committed: Any) -> None:
+        """After a decode-state verify call whose decode forward ran: the batch's request-pool rows and the
+        committed lengths its decode forward planned with (each row's length after the step is one more)."""
+        if not self.on:
+            return
+        if rows is None or committed is None or len(rows) != len(committed):
+            self.pending = None
+            return
+        self.pending = (_ints(rows), [n + 1 for n in _ints(committed)])
+
+    # ------------------------------------------------------------------ FutureMap hooks
+
+    def after_publish(self, future_indices: Any) -> None:
+        """After FutureMap.publish: the hand-over becomes the host's copy if it is this publish's, else none."""
+        pending, self.pending = self.pending, None
+        if not self.on:
+            return
+        n = int(future_indices.shape[0])
+        if n == 0:  # DP idle: SGLang writes nothing, the copy stays what the device holds
+            return
+        if pending is None or len(pending[0]) != n:
+            self.lens = {}
+            return
+        self.lens = dict(zip(*pending))
+
+    def host_lengths(self, fmap: Any, batch: Any) -> Optional[list[int]]:
+        """The batch's lengths from the host copy, or None where SGLang's pull must run."""
+        self.pending = None  # a hand-over no publish took belongs to no step
+        if not self.on or not self.lens or not getattr(fmap, "needs_cpu_seq_lens", False):
+            return None
+        spec = getattr(batch, "spec_info", None)
+        if spec is None or getattr(spec, "future_indices", None) is None:
+            return None
+        rows = getattr(batch, "req_pool_indices_cpu", None)
+        if rows is None:
+            return None
+        try:
+            return [self.lens[r] for r in _ints(rows)]
+        except KeyError:
+            return None
+
+
+def around_resolve(hl: HostSeqLens, debug_assert: Callable[[], bool], orig: Callable[..., Any], fmap: Any,
+                   batch: Any, *args: Any, **kwargs: Any) -> Any:
+    """AROUND FutureMap.resolve_seq_lens_cpu(batch)."""
+    try:
+        vals = None if debug_assert() else hl.host_lengths(fmap, batch)
+        host = None if vals is None else (torch.tensor(vals, dtype=torch.int64), sum(vals))
+    except Exception as e:  # noqa: BLE001 - SGLang's pull runs
+        hl.turn_off(f"{type(e).__name__}: {e}")
+        vals = host = None
+    if host is None:
+        if hl.on:
+            hl.num_device += 1
+        return orig(fmap, batch, *args, **kwargs)
+    if hl.check_left > 0:
+        out = orig(fmap, batch, *args, **kwargs)
+        got = _ints(batch.seq_lens_cpu) if batch.seq_lens_cpu is not None else None
+        hl.num_checked += 1
+        if got != vals:
+            bad = [(r, h, d) for r, h, d in zip(_ints(batch.req_pool_indices_cpu), vals, got or [None] * len(vals))
+                   if h != d][:4]
+            hl.turn_off(f"self-check: the host's lengths differ from the device's (row, host, device: {bad})")
+        else:
+            hl.check_left -= 1
+            if hl.check_left == 0:
+                log.info("specctl: self-check passed: %d steps' host sequence lengths equal the device's; "
+                         "host lengths from now on", hl.num_checked)
+        hl.num_device += 1
+        return out
+    keep = fmap.needs_cpu_seq_lens
+    fmap.needs_cpu_seq_lens = False  # SGLang's own path without the pull: the gather and the stream order stay
+    try:
+        out = orig(fmap, batch, *args, **kwargs)
+    finally:
+        fmap.needs_cpu_seq_lens = keep
+    batch.seq_lens_cpu, batch.seq_lens_sum = host
+    if hl.num_host == 0:
+        log.info("specctl: host sequence lengths in use: decode-state steps resolve without the device pull")
+    hl.num_host += 1
+    return out
+
+
+def around_publish(hl: HostSeqLens, orig: Callable[..., Any], fmap: Any, future_indices: Any,
+                   *args: Any, **kwargs: Any) -> Any:
+    """AROUND FutureMap.publish(future_indices, new_seq_lens, ...): SGLang's write first, then the host copy."""
+    out = orig(fmap, future_indices, *args, **kwargs)
+    try:
+        hl.after_publish(future_indices)
+    except Exception as e:  # noqa: BLE001
+        hl.turn_off(f"{type(e).__name__}: {e}")
+    return out
+
+
+def supported(resolve: Any) -> Optional[str]:
+    """None where this SGLang's FutureMap is the one this module was written against (0.5.17's: resolve takes
+    the batch alone, the host pull gated by needs_cpu_seq_lens), else why not."""
+    import inspect
+
+    try:
+        params = list(inspect.signature(resolve).parameters)
+    except (TypeError, ValueError) as e:
+        return f"FutureMap.resolve_seq_lens_cpu unreadable ({e})"
+    if params != ["self", "batch"]:
+        return (f"this SGLang's FutureMap.resolve_seq_lens_cpu takes {params[1:]} (0.5.17's takes the batch "
+                "alone); nothing done")
+    try:
+        src = inspect.getsource(resolve)
+    except (OSError, TypeError) as e:
+        return f"FutureMap.resolve_seq_lens_cpu's source unreadable ({e})"
+    if "needs_cpu_seq_lens" not in src:
+        return "this SGLang's FutureMap does not gate the host pull by needs_cpu_seq_lens; nothing done"
+    return None
+
+
+def _ints(x: Any) -> list[int]:
+    return [int(v) for v in (x.tolist() if hasattr(x, "tolist") else x)]
