@@ -639,10 +639,20 @@ class CostModel:
         if cc is None:
             cc = self.ctx_cells_[key] = _CtxCell()
         ref = self.cell_median_.get(key)
+        if ref is None:
+            # no refit has seen this cell yet: its own values so far (this step's included) are the reference
+            # once there are MIN_SETTLED of them; before that the step stays out of the slope, as there is
+            # nothing to clip it against. A server's first steps include its warm-up (2026-12-06, H100: a 735 ms
+            # first step at batch 1 with 6 tokens of context, unclipped, turned s3's batch exponent from 0.25
+            # to 1 and its short context bands to plain decode from batch 8)
+            cell = self.times_[key]
+            vals = cell.recent if len(cell.recent) >= MIN_SETTLED else cell.warm
+            if len(vals) < MIN_SETTLED:
+                vals = ()
+            ref = float(np.median(vals)) if vals else None
         if ref is not None:
             # one wild step (a stall) would move a least-squares slope more than the context does
-            step_ms = min(step_ms, CTX_CLIP * ref)
-        cc.add(w, x, step_ms)
+            cc.add(w, x, min(step_ms, CTX_CLIP * ref))
         cov = (c, _region_of(b), ctx_band_index(mean_ctx(ctx, batch_size)))
         self.ctx_band_w_[cov] = self.ctx_band_w_.get(cov, 0.0) + w
 

@@ -520,6 +520,37 @@ def test_a_context_cost_that_grows_slower_than_the_batch_is_fitted_as_such(expon
         np.testing.assert_allclose(m.predict_step_ms_ctx(S3, b, L), f(b) + g * b ** exponent * L, rtol=0.04)
 
 
+@pytest.mark.parametrize("online", [False, True])
+def test_a_servers_warm_up_step_does_not_bend_the_context_fit(online):
+    """A server's first decode step is its warm-up (2026-12-06, H100, SGLang's stock verify: 735 ms at batch 1
+    with 6 tokens of context, where a step there takes ~10 ms). Its cell has no median yet to clip it against,
+    and in a thin cell (batch 1 is seen only while phases ramp) one such value decided the batch exponent: 1
+    instead of 0.25, a context cost 5x too small at batch 4. The fit must be the one without it."""
+    rng = np.random.default_rng(11)
+    g, e = 0.0037, 0.25  # ms per context token at batch 1; the stock verify's latency-bound exponent
+    f = lambda b: 9.0 + 0.1 * b  # noqa: E731
+    ts = 1_764_441_600.0
+    first = [Sample(ts=ts, config=S3, batch_size=1, step_ms=735.0, accepted=[1], ctx_tokens=6)]
+    rest = []
+    for b, n in ((1, 20), (4, 20), (8, 30), (32, 300), (48, 100)):
+        for i in range(n):
+            L = 300.0 if i % 2 else 4000.0
+            ts += 0.01
+            ms = (f(b) + g * b ** e * L) * (1 + 0.02 * rng.standard_normal())
+            rest.append(Sample(ts=ts, config=S3, batch_size=b, step_ms=ms, accepted=[1] * b, ctx_tokens=int(b * L)))
+    order = rng.permutation(len(rest))
+    samples = first + [rest[i] for i in order]
+    if online:  # the daemon: a refit every 50 steps
+        m = CostModel()
+        for k in range(0, len(samples), 50):
+            m.partial_fit(samples[k:k + 50])
+            m.refit()
+    else:
+        m = CostModel().fit(samples)
+    assert m.ctx_exponent(S3) == e
+    assert m.ctx_slope(S3)[0] == pytest.approx(g, rel=0.1)
+
+
 def test_without_ctx_tokens_no_context_fit_runs_and_the_state_is_as_before():
     truth = truth_with_ctx_crossovers((300, 76), (6000, 14))
     m = CostModel().fit(_ctx_samples(truth, 6000, CTX_BS, drop_ctx=True))
