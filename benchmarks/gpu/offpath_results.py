@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics as st
 import sys
 
@@ -53,8 +54,18 @@ RESYNC_CATCHUP = "plugin-fixed:5:s3+catchup"  # the resync probe with the steps-
 def step_name(pol: str) -> str:
     """A policy's name in the step-cost columns: +lp (log-probability steps in the decode state) changes
     nothing on the loads' steps, which ask for none; +fi (the decode state on flashinfer) is the decode state
-    of a flashinfer call (the record's attention_backend)."""
-    return pol.replace("+lp", "").replace("+fi", "")
+    of a flashinfer call (the record's attention_backend); +hostlens (SPECCTL_HOST_SEQ_LENS) is the decode state
+    with its lengths kept on the host (the record's calls name it). Two policies of one call with one step name
+    are refused (`folded_twice`)."""
+    return re.sub(r"\+(lp|fi|hostlens)(?=\+|$)", "", pol)
+
+
+def folded_twice(policies) -> dict[str, list[str]]:
+    """Step names that more than one of these policies (one call's) would fill: their columns would overwrite."""
+    by: dict[str, list[str]] = {}
+    for p in sorted(set(policies)):
+        by.setdefault(step_name(p), []).append(p)
+    return {k: v for k, v in by.items() if len(v) > 1}
 
 
 def issue_name(pol: str) -> str:
@@ -249,6 +260,9 @@ def build(benches: list[dict], calls: list[str], log_dirs: list[str] | None = No
     step_runs, sweep_runs = [], []
     for i, b in enumerate(benches, 1):
         runs = b.get("runs", [])
+        twice = folded_twice(r["policy"] for r in runs)
+        if twice:
+            raise SystemExit(f"offpath_results: call {i} ran policies that share a step-cost column: {twice}")
         pols = {step_name(r["policy"]) for r in runs} - set(S3_POLICIES)  # the s3 kernel rows: rec["splitkv"]
         has_steps, has_sweep = bool(pols & (set(STEP_POLICIES) - {"off"})), bool(pols - set(STEP_POLICIES))
         runs = [r for r in runs if r["policy"] not in S3_POLICIES]

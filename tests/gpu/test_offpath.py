@@ -454,6 +454,31 @@ def test_hostlens_suffix_checks_the_host_lengths_beside_the_decode_state_on_flas
         B.parse_policy("off+hostlens")
 
 
+@pytest.mark.parametrize("pol, name", [
+    ("plugin-fixed:1:s3+fi", "plugin-fixed:1:s3"), ("plugin-fixed:1:s3+fi+hostlens", "plugin-fixed:1:s3"),
+    ("plugin-fixed:1:s3+lp", "plugin-fixed:1:s3"), ("plugin-fixed:1000:s3+fihost", "plugin-fixed:1000:s3+fihost"),
+    ("plugin-fixed:1:s3+verify", "plugin-fixed:1:s3+verify"), ("off", "off"),
+])
+def test_step_cost_columns_fold_the_switches_that_leave_the_decode_states_forward_alone(pol, name):
+    assert O.step_name(pol) == name
+
+
+def test_a_call_whose_policies_share_a_step_cost_column_is_refused(tmp_path):
+    assert O.folded_twice(["off", "plugin-fixed:1:s3+fi", "plugin-fixed:1:s3+fi+hostlens"]) == {
+        "plugin-fixed:1:s3": ["plugin-fixed:1:s3+fi", "plugin-fixed:1:s3+fi+hostlens"]}
+    assert O.folded_twice(["off", "plugin-fixed:1:s3+fi+hostlens", "plugin-fixed:1000:s3+fihost"]) == {}
+    bench = tmp_path / "bench.json"
+    bench.write_text(json.dumps({"runs": [{"policy": p, "concurrency": 1, "step_ms_rounds": [9.0]}
+                                          for p in ("off", "plugin-fixed:1:s3+fi", "plugin-fixed:1:s3+fi+hostlens")]}))
+    sys_argv = sys.argv
+    try:
+        sys.argv = ["offpath_results.py", str(tmp_path / "out.json"), str(bench)]
+        with pytest.raises(SystemExit, match="share a step-cost column"):
+            O.main()
+    finally:
+        sys.argv = sys_argv
+
+
 def test_spread_tokens_is_a_fixed_sequence_around_the_cap():
     assert [B.spread_tokens(128, 0, k) for k in range(5)] == [128] * 5
     seq = [B.spread_tokens(128, 32, k) for k in range(400)]
