@@ -89,11 +89,11 @@ class PluginSettings:
     # "check": the first fi_verify_check_steps plans are built both ways and compared, a mismatch turns it off
     fi_verify_host_plan: str = "off"
     fi_verify_check_steps: int = 32
-    # SPECCTL_HOST_SEQ_LENS: a step after a decode-state step takes its sequence lengths from the host (each
-    # request gained one token) instead of SGLang 0.5.17's device pull and its wait for the previous step, which
-    # the overlap scheduler runs for backends that plan from host lengths (flashinfer) (plugin/host_seq_lens.py).
-    # "off" (the default until a GPU run has checked it), "on", or "check": the first host_seq_lens_check_steps
-    # such steps pull too and compare, a difference turns it off
+    # SPECCTL_HOST_SEQ_LENS: a step after a decode-state step or a prefill takes its sequence lengths from the host
+    # instead of SGLang 0.5.17's device pull and its wait for the previous step, which the overlap scheduler runs
+    # for backends that plan from host lengths (flashinfer) (plugin/host_seq_lens.py). "off" (the default until a
+    # GPU run has checked it), "on", or "check": the first host_seq_lens_check_steps such steps (and as many with a
+    # prefill's rows) pull too and compare, a difference turns it off
     host_seq_lens: str = "off"
     host_seq_lens_check_steps: int = 32
     # SPECCTL_DRAFT_CATCHUP: steps 0 defers the draft's 1-token extends and extends the draft over what is
@@ -144,8 +144,9 @@ class PluginSettings:
         `SPECCTL_PLAIN_DECODE_FLASHINFER` (`on` | `off`: the decode state on flashinfer too),
         `SPECCTL_FI_VERIFY_HOST_PLAN` (`off` | `on` | `check` | `check:N`: flashinfer's verify plan from host
         values; `check` compares it with plan()'s for the first N plans, 32 by default),
-        `SPECCTL_HOST_SEQ_LENS` (`off` | `on` | `check` | `check:N`: the step after a decode-state step takes its
-        sequence lengths from the host; `check` compares them with the device's for the first N, 32 by default),
+        `SPECCTL_HOST_SEQ_LENS` (`off` | `on` | `check` | `check:N`: a step after a decode-state step or a prefill
+        takes its sequence lengths from the host; `check` compares them with the device's for the first N, 32 by
+        default),
         `SPECCTL_DRAFT_CATCHUP` (`off` | `on` | N >= 2: steps 0 extends the draft once per N steps-0 steps,
         16 with `on`, and before the first draft after them, instead of every step)."""
 

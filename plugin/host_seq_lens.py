@@ -7,21 +7,26 @@ thread therefore waits for the previous step to finish on the GPU before it prep
 idles while it does (docs/flashinfer-spec-copies.md, S1; fix P4). A speculative step cannot avoid that: how many
 drafts were accepted exists only on the GPU. The decode state can: every request gains exactly one token a step,
 so the lengths after a decode-state step are the lengths it planned with, plus one, known on the host when the
-step is launched.
+step is launched; and so can a prefill, whose lengths the scheduler built on the host.
 
 How it stays exact:
-  * the decode state's verify call, once its decode forward ran, hands over the batch's request-pool rows and
-    their lengths after the step (`on_decode_step`);
-  * the publish that follows (`FutureMap.publish`, SGLang's own write of those lengths to the device) records
-    them as the host's copy, when it wrote the same number of rows; every other publish (a prefill, a speculative
-    step, the trivial verify, seeding) empties the copy;
+  * every spec-v2 forward hands over its request-pool rows as the host has them (`begin_forward`), a prefill
+    (an EXTEND batch) with the lengths it publishes (the scheduler builds its host and device lengths from one
+    list), a decode step with none;
+  * the decode state's verify call, once its decode forward ran, adds the lengths after the step: the committed
+    lengths it planned with, plus one (`on_decode_step`);
+  * the publish that follows (`FutureMap.publish`, SGLang's own write of the lengths to the device) updates the
+    host's copy row by row: rows handed over with lengths take them, rows handed over without (a speculative
+    step, the trivial verify) leave the copy, and a publish of another size than the hand-over (or with none:
+    seeding) empties it;
   * a resolve whose rows the copy holds every one of takes the lengths from it: SGLang's own code still gathers
     the device lengths and orders the forward stream after the publish, only the host pull and its wait go;
-    any other resolve runs as SGLang wrote it. A hand-over left unconsumed when the next resolve comes is dropped.
+    any other resolve runs as SGLang wrote it. A hand-over no publish took is dropped at the next resolve.
 
-`check` (or `check:N`): the first N resolves that could use the copy run SGLang's pull as well and compare; a
-difference turns it off for the process (logged once with the rows), N agreements turn it on. Any fault in
-here does the same: SGLang's path runs, the tokens are never in question.
+`check` (or `check:N`): the first N resolves that could use the copy run SGLang's pull as well and compare, and
+so do the first N whose rows include a prefill's (the copy's two sources); a difference turns it off for the
+process (logged once with the rows), then both counts done turns it on. After that (and with `on`) one such
+resolve in AUDIT_EVERY still pulls and compares. Any fault in here turns it off too: SGLang's path runs.
 Every rank holds the same batches and lengths, so every rank makes the same choice at every step.
 """
 from __future__ import annotations
@@ -35,26 +40,32 @@ log = logging.getLogger("specctl")
 
 MODES = ("off", "on", "check")
 DEFAULT_CHECK_STEPS = 32
+AUDIT_EVERY = 256  # after the check, one resolve in this many still pulls and compares (one wait per 256 steps)
 
 
 class HostSeqLens:
-    """The host's copy of the lengths the last decode-state publish wrote, and its use by the next resolve."""
+    """The host's copy of the lengths the publishes wrote, row by row, and its use by the next resolve."""
 
     def __init__(self, mode: str, check_steps: int = DEFAULT_CHECK_STEPS):
         if mode not in MODES:
             raise ValueError(f"host sequence lengths: mode must be one of {', '.join(MODES)}, not {mode!r}")
         self.mode = mode
-        self.check_left = check_steps if mode == "check" else 0
-        self.pending: Optional[tuple[list[int], list[int]]] = None  # (rows, lengths after the step) in flight
-        self.lens: dict[int, int] = {}  # request-pool row -> its length after the last decode-state publish
+        self.check_left = check_steps if mode == "check" else 0  # resolves still to compare
+        self.check_prefill_left = check_steps if mode == "check" else 0  # ... with rows a prefill published
+        self.expect: Optional[list[int]] = None  # the rows of the forward in flight
+        self.values: Optional[list[int]] = None  # and their lengths after it, where the host knows them
+        self.from_prefill = False
+        self.lens: dict[int, tuple[int, bool]] = {}  # request-pool row -> (length on the device, from a prefill)
         self.off_reason: Optional[str] = None
         self.num_host = 0  # resolves served from the host copy
         self.num_device = 0  # resolves that pulled the lengths from the device
         self.num_checked = 0
+        self.since_audit = 0
 
     def status(self) -> dict[str, Any]:
         return {"mode": self.mode, "on": self.on, "off_reason": self.off_reason, "host_resolves": self.num_host,
-                "device_resolves": self.num_device, "checked": self.num_checked, "check_left": self.check_left}
+                "device_resolves": self.num_device, "checked": self.num_checked, "check_left": self.check_left,
+                "check_prefill_left": self.check_prefill_left}
 
     @property
     def on(self) -> bool:
@@ -64,38 +75,54 @@ class HostSeqLens:
         if self.off_reason is None:
             self.off_reason = why
             log.warning("specctl: host sequence lengths off: %s; SGLang's device pull for every step from now on", why)
-        self.pending, self.lens = None, {}
+        self.expect = self.values = None
+        self.lens = {}
 
-    # ------------------------------------------------------------------ the decode state's hand-over
+    # ------------------------------------------------------------------ hand-overs
+
+    def begin_forward(self, rows: Any, prefill_lens: Any = None) -> None:
+        """A spec-v2 forward starts: its rows, and for a prefill the lengths it will publish."""
+        if not self.on:
+            return
+        self.expect = None if rows is None else _ints(rows)
+        self.values = None
+        self.from_prefill = False
+        if self.expect is not None and prefill_lens is not None and len(prefill_lens) == len(self.expect):
+            self.values, self.from_prefill = _ints(prefill_lens), True
 
     def on_decode_step(self, rows: Any, committed: Any) -> None:
         """After a decode-state verify call whose decode forward ran: the batch's request-pool rows and the
         committed lengths its decode forward planned with (each row's length after the step is one more)."""
-        if not self.on:
+        if not self.on or self.expect is None:
             return
-        if rows is None or committed is None or len(rows) != len(committed):
-            self.pending = None
+        if rows is None or committed is None or _ints(rows) != self.expect or len(committed) != len(self.expect):
+            self.values = None
             return
-        self.pending = (_ints(rows), [n + 1 for n in _ints(committed)])
+        self.values, self.from_prefill = [n + 1 for n in _ints(committed)], False
 
     # ------------------------------------------------------------------ FutureMap hooks
 
     def after_publish(self, future_indices: Any) -> None:
-        """After FutureMap.publish: the hand-over becomes the host's copy if it is this publish's, else none."""
-        pending, self.pending = self.pending, None
+        """After FutureMap.publish: the rows it wrote, as the forward in flight handed them over."""
+        rows, vals, pre = self.expect, self.values, self.from_prefill
+        self.expect = self.values = None
         if not self.on:
             return
-        n = int(future_indices.shape[0])
-        if n == 0:  # DP idle: SGLang writes nothing, the copy stays what the device holds
+        if int(future_indices.shape[0]) == 0:  # DP idle: SGLang writes nothing
             return
-        if pending is None or len(pending[0]) != n:
-            self.lens = {}
+        if rows is None or len(rows) != int(future_indices.shape[0]):
+            self.lens = {}  # a write the host cannot follow row by row
             return
-        self.lens = dict(zip(*pending))
+        if vals is None:
+            for r in rows:
+                self.lens.pop(r, None)
+        else:
+            self.lens.update((r, (n, pre)) for r, n in zip(rows, vals))
 
-    def host_lengths(self, fmap: Any, batch: Any) -> Optional[list[int]]:
-        """The batch's lengths from the host copy, or None where SGLang's pull must run."""
-        self.pending = None  # a hand-over no publish took belongs to no step
+    def host_lengths(self, fmap: Any, batch: Any) -> Optional[tuple[list[int], bool]]:
+        """The batch's lengths from the host copy and whether a prefill published any of them, or None where
+        SGLang's pull must run."""
+        self.expect = self.values = None  # a hand-over no publish took belongs to no step
         if not self.on or not self.lens or not getattr(fmap, "needs_cpu_seq_lens", False):
             return None
         spec = getattr(batch, "spec_info", None)
@@ -105,38 +132,47 @@ class HostSeqLens:
         if rows is None:
             return None
         try:
-            return [self.lens[r] for r in _ints(rows)]
+            got = [self.lens[r] for r in _ints(rows)]
         except KeyError:
             return None
+        return [n for n, _ in got], any(p for _, p in got)
 
 
 def around_resolve(hl: HostSeqLens, debug_assert: Callable[[], bool], orig: Callable[..., Any], fmap: Any,
                    batch: Any, *args: Any, **kwargs: Any) -> Any:
     """AROUND FutureMap.resolve_seq_lens_cpu(batch)."""
     try:
-        vals = None if debug_assert() else hl.host_lengths(fmap, batch)
-        host = None if vals is None else (torch.tensor(vals, dtype=torch.int64), sum(vals))
+        found = None if debug_assert() else hl.host_lengths(fmap, batch)
+        host = None if found is None else (torch.tensor(found[0], dtype=torch.int64), sum(found[0]))
     except Exception as e:  # noqa: BLE001 - SGLang's pull runs
         hl.turn_off(f"{type(e).__name__}: {e}")
-        vals = host = None
+        found = host = None
     if host is None:
-        if hl.on:
+        if hl.on and _pulls(fmap, batch):
             hl.num_device += 1
         return orig(fmap, batch, *args, **kwargs)
-    if hl.check_left > 0:
+    vals, prefilled = found
+    hl.since_audit += 1
+    checking = hl.check_left > 0 or (prefilled and hl.check_prefill_left > 0)
+    if checking or hl.since_audit >= AUDIT_EVERY:
+        hl.since_audit = 0
         out = orig(fmap, batch, *args, **kwargs)
         got = _ints(batch.seq_lens_cpu) if batch.seq_lens_cpu is not None else None
         hl.num_checked += 1
+        hl.num_device += 1
         if got != vals:
             bad = [(r, h, d) for r, h, d in zip(_ints(batch.req_pool_indices_cpu), vals, got or [None] * len(vals))
                    if h != d][:4]
             hl.turn_off(f"self-check: the host's lengths differ from the device's (row, host, device: {bad})")
-        else:
-            hl.check_left -= 1
-            if hl.check_left == 0:
-                log.info("specctl: self-check passed: %d steps' host sequence lengths equal the device's; "
-                         "host lengths from now on", hl.num_checked)
-        hl.num_device += 1
+            return out
+        if not checking:
+            return out
+        hl.check_left = max(0, hl.check_left - 1)
+        if prefilled:
+            hl.check_prefill_left = max(0, hl.check_prefill_left - 1)
+        if hl.check_left == 0 and hl.check_prefill_left == 0:
+            log.info("specctl: self-check passed: %d steps' host sequence lengths equal the device's; "
+                     "host lengths from now on", hl.num_checked)
         return out
     keep = fmap.needs_cpu_seq_lens
     fmap.needs_cpu_seq_lens = False  # SGLang's own path without the pull: the gather and the stream order stay
@@ -146,7 +182,8 @@ def around_resolve(hl: HostSeqLens, debug_assert: Callable[[], bool], orig: Call
         fmap.needs_cpu_seq_lens = keep
     batch.seq_lens_cpu, batch.seq_lens_sum = host
     if hl.num_host == 0:
-        log.info("specctl: host sequence lengths in use: decode-state steps resolve without the device pull")
+        log.info("specctl: host sequence lengths in use: steps after a decode-state step or a prefill resolve "
+                 "without the device pull")
     hl.num_host += 1
     return out
 
@@ -181,6 +218,13 @@ def supported(resolve: Any) -> Optional[str]:
     if "needs_cpu_seq_lens" not in src:
         return "this SGLang's FutureMap does not gate the host pull by needs_cpu_seq_lens; nothing done"
     return None
+
+
+def _pulls(fmap: Any, batch: Any) -> bool:
+    """Whether SGLang's resolve pulls this batch's lengths from the device."""
+    spec = getattr(batch, "spec_info", None)
+    return (bool(getattr(fmap, "needs_cpu_seq_lens", False)) and spec is not None
+            and getattr(spec, "future_indices", None) is not None)
 
 
 def _ints(x: Any) -> list[int]:

@@ -59,9 +59,10 @@ SGLang 0.5.17 only: on an SGLang with SGLANG_OPT_FLASHINFER_VERIFY_HOST_PLAN the
 The decode state's sequence lengths kept on the host (SPECCTL_HOST_SEQ_LENS, off by default; plugin/host_seq_lens.py;
 SGLang 0.5.17 only; with the decode state):
 
-    AROUND   FutureMap.publish                     a decode-state step's lengths (its planned ones plus one,
-                                                  handed over by the verify hook) become the host's copy;
-                                                  any other publish empties it
+    (AROUND  EAGLEWorkerV2.forward_batch_generation, the hook above: the forward's rows, a prefill's lengths)
+    AROUND   FutureMap.publish                     the rows it wrote take the lengths handed over (a prefill's,
+                                                  or a decode-state step's: its planned ones plus one, from
+                                                  the verify hook) or leave the host's copy (any other step)
     AROUND   FutureMap.resolve_seq_lens_cpu        rows the copy holds: SGLang's resolve without its host pull
                                                   and the wait for the previous step (flashinfer's), the
                                                   lengths from the copy
@@ -800,6 +801,9 @@ def runtime() -> Optional[PluginRuntime]:
 
 def _around_forward(orig: Callable[..., Any], worker: Any, *args: Any, **kwargs: Any) -> Any:
     rt = _RUNTIME
+    hl = getattr(rt, "host_lens", None)
+    if hl is not None and hl.on:
+        _host_lens_begin(hl, args, kwargs)
     if rt is None or (rt.timer is None and not rt._wants_ctx()):
         return orig(worker, *args, **kwargs)
     return rt.on_forward(orig, worker, *args, **kwargs)
@@ -1068,6 +1072,18 @@ def _around_verify(orig: Callable[..., Any], worker: Any, batch: Any, *args: Any
         except Exception as e:  # noqa: BLE001 - the next step pulls its lengths as SGLang does
             hl.turn_off(f"{type(e).__name__}: {e}")
     return out
+
+
+def _host_lens_begin(hl: Any, args: tuple, kwargs: dict) -> None:
+    """SPECCTL_HOST_SEQ_LENS: the rows of the forward starting, and a prefill's lengths (an EXTEND batch's host
+    and device lengths come from one list: ScheduleBatch.prepare_for_extend), for the publish inside it."""
+    try:
+        batch = args[0] if args else kwargs["batch"]
+        mode = batch.forward_mode
+        prefill = getattr(mode, "name", None) == "EXTEND"
+        hl.begin_forward(batch.req_pool_indices_cpu, batch.seq_lens_cpu if prefill else None)
+    except Exception as e:  # noqa: BLE001 - the next step pulls its lengths as SGLang does
+        hl.turn_off(f"{type(e).__name__}: {e}")
 
 
 def _host_lens_problem(settings: PluginSettings, targets: Targets) -> Optional[str]:

@@ -89,8 +89,9 @@ def _batch(rows):
 
 
 class Loop:
-    """The overlap scheduler's order, per step: resolve (the lengths after the last step), the forward, its
-    publish (decode-state steps first hand over the rows and the committed lengths they planned with)."""
+    """The overlap scheduler's order, per batch: resolve (the lengths after the last step), the forward (our
+    forward hook hands over its rows, a prefill its lengths), the decode state's verify (the lengths it planned
+    with), the publish."""
 
     def __init__(self, fm, hl=None):
         self.fm, self.hl, self.seen = fm, hl, []
@@ -98,6 +99,9 @@ class Loop:
     def prefill(self, rows, lens):
         import torch
 
+        self.fm.resolve_seq_lens_cpu(SimpleNamespace(spec_info=None))  # an EXTEND batch: SGLang's returns at once
+        if self.hl is not None:
+            self.hl.begin_forward(torch.tensor(rows), torch.tensor(lens))
         self.fm.publish(torch.tensor(rows), torch.tensor(lens))
 
     def step(self, rows, accept=None, decode_state=True, hand_over_shift=0):
@@ -109,9 +113,11 @@ class Loop:
         self.seen.append((b.seq_lens.tolist(), None if b.seq_lens_cpu is None else b.seq_lens_cpu.tolist(),
                           b.seq_lens_sum))
         acc = torch.tensor(accept) if accept is not None else torch.ones(len(rows), dtype=torch.int64)
-        if decode_state and self.hl is not None:  # what the decode forward planned with (None on triton)
-            planned = None if b.seq_lens_cpu is None else b.seq_lens_cpu + hand_over_shift
-            self.hl.on_decode_step(b.req_pool_indices_cpu, planned)
+        if self.hl is not None:
+            self.hl.begin_forward(b.req_pool_indices_cpu)
+            if decode_state:  # what the decode forward planned with (None on triton)
+                planned = None if b.seq_lens_cpu is None else b.seq_lens_cpu + hand_over_shift
+                self.hl.on_decode_step(b.req_pool_indices_cpu, planned)
         self.fm.publish(b.req_pool_indices_cpu, b.seq_lens + acc)
         return b
 
@@ -141,9 +147,8 @@ def test_the_host_lengths_are_the_devices_and_spare_the_pull_after_decode_state_
     mine = Loop(_fmap(_hooked(fm_class, hl)), hl)
     _script(mine)
     assert mine.seen == stock.seen  # the device gather, the host lengths and their sum, step by step
-    # host: every step after a decode-state step (steps 2-4, the newcomer's second, the speculative step itself,
-    # the last two); device: the first (after a prefill), after the newcomer's prefill, after the speculative step
-    assert (hl.num_host, hl.num_device) == (7, 3)
+    # the device only after the speculative step: every other step follows a prefill or a decode-state step
+    assert (hl.num_host, hl.num_device) == (9, 1)
     assert hl.on and hl.off_reason is None
 
 
@@ -155,34 +160,47 @@ def test_a_row_the_copy_does_not_hold_and_a_hand_over_no_publish_took_go_to_the_
 
     hl = HostSeqLens("on")
     loop = Loop(_fmap(_hooked(fm_class, hl)), hl)
-    loop.prefill([1, 2, 4], [10, 20, 40])
+    loop.fm.publish(torch.tensor([1, 2, 4]), torch.tensor([10, 20, 40]))  # a publish with no hand-over: seeding
+    assert hl.lens == {}
+    loop.prefill([1, 2], [10, 20])
     loop.step([1, 2])
-    loop.step([1, 2, 4])                        # row 4 was not in the decode-state publish: the device
-    assert (hl.num_host, hl.num_device) == (0, 2)
+    loop.step([1, 2, 4])                        # row 4: published, but not as the host could follow
+    assert (hl.num_host, hl.num_device) == (1, 1)
+    hl.begin_forward(torch.tensor([1, 2, 4]))
     hl.on_decode_step(torch.tensor([1, 2, 4]), torch.tensor([99, 99, 99]))  # handed over, never published
     loop.fm.resolve_seq_lens_cpu(b := _batch([1, 2, 4]))
-    assert b.seq_lens_cpu.tolist() == [12, 22, 41] and hl.pending is None
-    loop.fm.publish(torch.tensor([1, 2, 4]), torch.tensor([13, 23, 42]))  # a publish without a hand-over
-    assert hl.lens == {}
+    assert b.seq_lens_cpu.tolist() == [12, 22, 41] and hl.expect is None and hl.values is None
 
 
 @pytest.mark.sglang
-def test_a_publish_of_another_size_than_the_hand_over_empties_the_copy(fm_class):
+def test_publishes_update_the_copy_row_by_row_as_they_were_handed_over(fm_class):
     import torch
 
     from specctl.plugin.host_seq_lens import HostSeqLens
 
     hl = HostSeqLens("on")
     fm = _fmap(_hooked(fm_class, hl))
+    hl.begin_forward(torch.tensor([1, 2]), torch.tensor([5, 6]))  # a prefill
     fm.publish(torch.tensor([1, 2]), torch.tensor([5, 6]))
+    hl.begin_forward(torch.tensor([3]), torch.tensor([9]))        # another
+    fm.publish(torch.tensor([3]), torch.tensor([9]))
+    assert hl.lens == {1: (5, True), 2: (6, True), 3: (9, True)}
+    hl.begin_forward(torch.tensor([1, 2]))                         # a decode-state step of rows 1 and 2
     hl.on_decode_step(torch.tensor([1, 2]), torch.tensor([5, 6]))
-    fm.publish(torch.tensor([1, 2, 3]), torch.tensor([6, 7, 9]))
+    fm.publish(torch.tensor([1, 2]), torch.tensor([6, 7]))
+    assert hl.lens == {1: (6, False), 2: (7, False), 3: (9, True)}
+    hl.begin_forward(torch.tensor([2, 3]))                         # a speculative step: its rows leave the copy
+    fm.publish(torch.tensor([2, 3]), torch.tensor([9, 11]))
+    assert hl.lens == {1: (6, False)}
+    hl.begin_forward(torch.tensor([1]))
+    hl.on_decode_step(torch.tensor([2]), torch.tensor([6]))        # not the forward's rows: no lengths
+    fm.publish(torch.tensor([1]), torch.tensor([7]))
     assert hl.lens == {}
-    hl.on_decode_step(torch.tensor([1, 2]), torch.tensor([6, 7]))
-    fm.publish(torch.tensor([1, 2]), torch.tensor([7, 8]))
-    assert hl.lens == {1: 7, 2: 8}
+    hl.begin_forward(torch.tensor([1, 2]), torch.tensor([5, 6]))
+    fm.publish(torch.tensor([1, 2, 3]), torch.tensor([5, 6, 1]))   # another size than the hand-over
+    assert hl.lens == {}
     fm.publish(torch.tensor([], dtype=torch.int64), torch.tensor([], dtype=torch.int64))  # DP idle: no write
-    assert hl.lens == {1: 7, 2: 8}
+    assert hl.lens == {}
 
 
 @pytest.mark.sglang
@@ -193,8 +211,10 @@ def test_check_mode_compares_then_trusts_and_a_difference_turns_it_off(fm_class,
     loop = Loop(_fmap(_hooked(fm_class, hl)), hl)
     with caplog.at_level(logging.INFO, logger="specctl"):
         _script(loop)
-    assert hl.num_checked == 2 and hl.check_left == 0 and hl.num_host == 5 and hl.on  # 7 eligible: 2 checked
-    assert any("self-check passed: 2 steps" in r.getMessage() for r in caplog.records)
+    # compared: the first two eligible steps (the first after a prefill among them) and the newcomer's first step
+    # (the second with a prefill's rows); then trusted
+    assert hl.num_checked == 3 and hl.check_left == hl.check_prefill_left == 0 and hl.num_host == 6 and hl.on
+    assert any("self-check passed: 3 steps" in r.getMessage() for r in caplog.records)
 
     stock = Loop(_fmap(fm_class))
     _script(stock)
@@ -208,6 +228,27 @@ def test_check_mode_compares_then_trusts_and_a_difference_turns_it_off(fm_class,
     assert wrong.seen == stock.seen[:2]         # the step that caught it ran on the device's lengths
     wrong.step([1, 2, 3])
     assert bad.num_host == 0 and any("host sequence lengths off" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.sglang
+def test_after_the_check_one_step_in_audit_every_still_compares(fm_class, monkeypatch):
+    from specctl.plugin import host_seq_lens
+    from specctl.plugin.host_seq_lens import HostSeqLens
+
+    monkeypatch.setattr(host_seq_lens, "AUDIT_EVERY", 3)
+    hl = HostSeqLens("on")
+    loop = Loop(_fmap(_hooked(fm_class, hl)), hl)
+    loop.prefill([1, 2], [10, 20])
+    loop.step([1, 2])
+    loop.step([1, 2])
+    assert (hl.num_host, hl.num_checked) == (2, 0)
+    loop.step([1, 2])                           # the third: audited, and right
+    assert (hl.num_host, hl.num_checked) == (2, 1) and hl.on
+    loop.step([1, 2])
+    hl.lens[2] = (999, False)                   # a copy gone wrong after the check
+    loop.step([1, 2])                           # used: what the audit exists to bound
+    loop.step([1, 2])                           # audited: caught
+    assert not hl.on and "differ" in hl.off_reason and hl.num_checked == 2
 
 
 @pytest.mark.sglang
@@ -232,7 +273,7 @@ def test_a_fault_in_the_hook_runs_sglangs_resolve_and_turns_it_off(fm_class, cap
     loop = Loop(_fmap(_hooked(fm_class, hl)), hl)
     loop.prefill([1, 2], [10, 20])
     loop.step([1, 2])
-    hl.lens = {1: "eleven", 2: 21}              # a copy that cannot be read as lengths
+    hl.lens = {1: ("eleven", False), 2: (21, False)}  # a copy that cannot be read as lengths
     with caplog.at_level(logging.WARNING, logger="specctl"):
         loop.step([1, 2])
     assert loop.seen[-1] == ([11, 21], [11, 21], 32) and not hl.on and "ValueError" in hl.off_reason
@@ -275,12 +316,34 @@ def test_the_verify_hook_hands_over_only_after_a_decode_forward_ran(monkeypatch)
         return "out"
 
     monkeypatch.setattr(plain_decode, "around_verify", ran)
+    rt.host_lens.begin_forward(rows)
     assert sglang_hooks._around_verify(None, worker, "batch") == "out"
-    assert rt.host_lens.pending == ([4, 9], [101, 8])
-    rt.host_lens.pending = None
+    assert rt.host_lens.values == [101, 8]
+    rt.host_lens.begin_forward(rows)
     monkeypatch.setattr(plain_decode, "around_verify", trivial)
     sglang_hooks._around_verify(None, worker, "batch")
-    assert rt.host_lens.pending is None  # the last step's planned lengths are not this one's
+    assert rt.host_lens.values is None  # the last step's planned lengths are not this one's
+
+
+@pytest.mark.sglang
+def test_the_forward_hook_hands_over_a_prefills_lengths_and_a_decode_steps_rows(monkeypatch):
+    import torch
+    from specctl.plugin import sglang_hooks
+    from specctl.plugin.host_seq_lens import HostSeqLens
+
+    rt = SimpleNamespace(host_lens=HostSeqLens("on"), timer=None, _wants_ctx=lambda: False)
+    monkeypatch.setattr(sglang_hooks, "_RUNTIME", rt)
+    batch = lambda mode: SimpleNamespace(forward_mode=mode, req_pool_indices_cpu=torch.tensor([3, 1]),  # noqa: E731
+                                         seq_lens_cpu=torch.tensor([70, 12]))
+    seen = []
+    orig = lambda worker, b, **k: seen.append((rt.host_lens.expect, rt.host_lens.values)) or "out"  # noqa: E731
+    mode = lambda name: SimpleNamespace(name=name)  # noqa: E731 - ForwardMode's members by name (the hook reads that)
+    assert sglang_hooks._around_forward(orig, None, batch(mode("EXTEND"))) == "out"
+    sglang_hooks._around_forward(orig, None, batch(mode("DECODE")))
+    sglang_hooks._around_forward(orig, None, batch(mode("MIXED")))  # decode rows inside: no lengths
+    assert seen == [([3, 1], [70, 12]), ([3, 1], None), ([3, 1], None)]
+    sglang_hooks._around_forward(orig, None, SimpleNamespace(forward_mode=mode("DECODE")))  # no rows: unreadable
+    assert not rt.host_lens.on and "AttributeError" in rt.host_lens.off_reason
 
 
 # ----------------------------------------------------------------------------- install(), SGLang's registry
@@ -313,6 +376,7 @@ INSTALL = r"""
         fm = FutureMap(torch.device("cpu"), SpeculativeAlgorithm.EAGLE3,
                        SimpleNamespace(req_to_token=torch.zeros(8, 4, dtype=torch.int32)))
         fm.publish(torch.tensor([1, 2]), torch.tensor([10, 20]))
+        rt.host_lens.begin_forward(torch.tensor([1, 2]))
         rt.host_lens.on_decode_step(torch.tensor([1, 2]), torch.tensor([10, 20]))
         fm.publish(torch.tensor([1, 2]), torch.tensor([11, 21]))
         b = SimpleNamespace(spec_info=SimpleNamespace(future_indices=torch.tensor([2, 1])),
