@@ -438,6 +438,10 @@ class PluginRuntime:
         self.missing_hooks = {t for t in consequence if t not in patched}
         self.hook_problems = [f"hook on {t} did not take effect: {why}"
                               for t, why in consequence.items() if t in self.missing_hooks]
+        if self.host_lens is not None:  # its copy follows the forward, the publish and the resolve, or none of them
+            gone = [t for t in (self.targets.forward, *self.targets.host_lens_targets()) if t in self.missing_hooks]
+            if gone:
+                self.host_lens.turn_off(f"the hooks on {', '.join(gone)} did not take effect")
         for p in self.hook_problems:
             log.error("specctl: %s (SGLang logged the cause above as 'Failed to apply hooks')", p)
         if not self.hook_problems:

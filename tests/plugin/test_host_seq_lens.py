@@ -370,19 +370,20 @@ INSTALL = r"""
     t = sglang_hooks.SGLANG_TARGETS
     out = {"patched": [x in HookRegistry._patched for x in t.host_lens_targets()], "hooked": rt.host_lens is not None}
     if rt.host_lens is not None:
-        out["problems"] = rt.check_hooks()
         from sglang.srt.managers.overlap_utils import FutureMap
         from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
         fm = FutureMap(torch.device("cpu"), SpeculativeAlgorithm.EAGLE3,
                        SimpleNamespace(req_to_token=torch.zeros(8, 4, dtype=torch.int32)))
         fm.publish(torch.tensor([1, 2]), torch.tensor([10, 20]))
-        rt.host_lens.begin_forward(torch.tensor([1, 2]))
+        rt.host_lens.begin_forward(torch.tensor([1, 2]))  # what the forward hook does (its module: a GPU build)
         rt.host_lens.on_decode_step(torch.tensor([1, 2]), torch.tensor([10, 20]))
         fm.publish(torch.tensor([1, 2]), torch.tensor([11, 21]))
         b = SimpleNamespace(spec_info=SimpleNamespace(future_indices=torch.tensor([2, 1])),
                             req_pool_indices_cpu=torch.tensor([2, 1]), seq_lens=None, seq_lens_cpu=None)
         fm.resolve_seq_lens_cpu(b)
         out.update(lens=b.seq_lens_cpu.tolist(), device=b.seq_lens.tolist(), status=rt.host_lens.status())
+        out["problems"] = rt.check_hooks()
+        out["after_check"] = rt.host_lens.status()
     print(json.dumps(out))
 """
 
@@ -395,6 +396,13 @@ def test_install_hooks_sglangs_futuremap_where_it_applies(mode, extra):
         assert got == {"patched": [False, False], "hooked": False}
         return
     assert got["patched"] == [True, True] and got["hooked"]
-    assert not [p for p in got["problems"] if "FutureMap" in p]  # (the worker's own hooks need a GPU build)
+    # SGLang's own FutureMap, patched by its registry: the resolve after a decode-state publish takes the host's
     assert got["lens"] == got["device"] == [21, 11]
     assert got["status"]["host_resolves"] == 1 and got["status"]["on"]
+    assert not [p for p in got["problems"] if "FutureMap" in p]
+    worker_hooked = not any("EAGLEWorkerV2.forward_batch_generation" in p for p in got["problems"])
+    # the start-up check: without the forward hook (this CPU install cannot patch the worker's module) the copy
+    # would never be fed: it is turned off, said once
+    assert got["after_check"]["on"] == worker_hooked
+    if not worker_hooked:
+        assert "did not take effect" in got["after_check"]["off_reason"]
