@@ -3,6 +3,7 @@ outputs:
 
   python3 benchmarks/gpu/ctx_results.py OUT.json [--steps G/ctx-steps.json ...] [--alternating H/bench-g0.json
       --logs H's g0/ (g0.tgz or server-logs.tgz extracted)] ... [--call "command" ...] [--ctx-split 2048]
+      [--replay]
 
 --steps: ctx_profile.py measure outputs (several calls' merge as `convert` merges them): per policy, prompt length
 and concurrency the decode step (median over rounds) and, per prompt length and concurrency, each speculative
@@ -12,6 +13,10 @@ specctl ÷ specctl-noctx run by run (`phase_pairs`), each server's last table pe
 (speculating rows above its first plain-decode row), and with --logs what each server's steps cost by
 configuration, batch size and context class (the telemetry's step_ms: the build the plugin runs, split-KV verify
 and decode state included), the class being the mean context per request below / from --ctx-split.
+--replay: each server's telemetry replayed through this checkout's daemon (controller.replay.replay_into, a refit a
+second of its timestamps, the server's daemon arguments): the table it would publish now and its flaps
+(`replayed_last_table`, `replayed_table_flaps`), beside the table the run published. A fix of the fit shows
+there before a GPU run does.
 Several --alternating calls (H and H-stock, say; each with its --logs, in the same order) go into one record when
 their servers' names differ: their runs, pairs and servers side by side.
 Prints each target against its figure: specctl ÷ specctl-noctx mean >= 1.05, no flap in any context band.
@@ -85,7 +90,39 @@ def table_rows(policy: dict) -> list[dict]:
             | {"steps": r["config"]["steps"]} for r in policy.get("table", [])]
 
 
-def alternating(bench: dict, log_dir: str | None, split: int) -> dict:
+DAEMON_ARGS = {"--no-ctx-axis": ("ctx_axis", False)}  # run_bench's daemon arguments -> ServiceSettings fields
+
+
+def replayed_policy(folder: str, daemon_args: list[str] | None) -> dict:
+    """A server's telemetry (telemetry/*.jsonl[.gz], in name order) through this checkout's daemon: its last policy."""
+    import glob
+    import gzip
+
+    from specctl.controller import wire
+    from specctl.controller.replay import replay_into
+    from specctl.controller.service import ServiceSettings
+
+    unknown = [a for a in daemon_args or [] if a not in DAEMON_ARGS]
+    if unknown:
+        raise SystemExit(f"ctx_results --replay: no ServiceSettings for the daemon arguments {unknown}")
+    settings = ServiceSettings(**dict(DAEMON_ARGS[a] for a in daemon_args or []))
+    frames, ts = [], 0.0
+    for path in sorted(glob.glob(os.path.join(folder, "telemetry", "*.jsonl*"))):
+        with (gzip.open if path.endswith(".gz") else open)(path, "rb") as f:
+            for line in f:
+                line = line.strip()
+                if not line:
+                    continue
+                try:
+                    ts = float(json.loads(line).get("ts", ts))
+                except (ValueError, AttributeError):
+                    pass  # the daemon counts and drops it as it would
+                frames.append((ts, line))
+    obj = wire.to_obj(replay_into(frames, settings).policy)
+    return obj.get("policy", obj)
+
+
+def alternating(bench: dict, log_dir: str | None, split: int, replay: bool = False) -> dict:
     out = {"phase_runs": [], "phase_pairs": bench.get("phase_pairs") or {}, "servers": {}}
     seen: dict[str, int] = {}
     for r in bench.get("phase_runs", []):
@@ -110,6 +147,9 @@ def alternating(bench: dict, log_dir: str | None, split: int) -> dict:
             s["telemetry_steps"] = telemetry_steps(sdir, split)
             if last:  # the flaps of the table as saved, where the bench has none
                 s["table_flaps"] = s["table_flaps"] or policy_flaps(last)
+            if replay:
+                rp = replayed_policy(sdir, srv.get("daemon_args"))
+                s["replayed_last_table"], s["replayed_table_flaps"] = table_rows(rp), policy_flaps(rp)
         out["servers"][pol] = s
     return out
 
@@ -139,6 +179,8 @@ def targets(rec: dict) -> dict:
         srv = alt["servers"].get(with_axis) or {}
         t[f"band_flaps{tag}_eq_0"] = {k: v for k, v in (srv.get("table_flaps") or {}).items() if k != "any"}
         t[f"ctx_bands{tag}_ge_2"] = srv.get("ctx_bands")
+        if srv.get("replayed_table_flaps") is not None:  # not a target: what this checkout's daemon makes of the run
+            t[f"band_flaps{tag}_replayed"] = {k: v for k, v in srv["replayed_table_flaps"].items() if k != "any"}
     return t
 
 
@@ -150,6 +192,7 @@ def main():
     ap.add_argument("--logs", action="append", default=[], help="each --alternating call's server logs, in order")
     ap.add_argument("--call", action="append", default=[])
     ap.add_argument("--ctx-split", type=int, default=2048, help="mean context tokens per request: short below, long from")
+    ap.add_argument("--replay", action="store_true", help="also replay each server's telemetry through this daemon")
     a = ap.parse_args()
     rec = {"calls": a.call}
     if a.steps:
@@ -162,7 +205,7 @@ def main():
             bench = json.load(open(path))
             for k in ("gpu", "sglang", "attention_backend", "model", "draft"):
                 rec.setdefault(k, bench.get(k))
-            parts.append(alternating(bench, a.logs[i] if a.logs else None, a.ctx_split))
+            parts.append(alternating(bench, a.logs[i] if a.logs else None, a.ctx_split, replay=a.replay))
         rec["alternating"] = merge_alternating(parts)
         rec["ctx_split"] = a.ctx_split
     if a.steps:

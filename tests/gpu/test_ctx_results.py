@@ -102,3 +102,20 @@ def test_two_alternating_calls_share_one_record_and_a_server_named_twice_is_refu
     assert R.merge_alternating([part("specctl", 1.0)]) == part("specctl", 1.0)  # one call: as it was
     with pytest.raises(SystemExit, match="names servers another one does"):
         R.merge_alternating([part("specctl", 1.0), part("specctl", 1.1)])
+
+
+def test_replay_runs_a_servers_telemetry_through_this_daemon_with_its_arguments(tmp_path):
+    """--replay: the table this checkout's daemon makes of a run's telemetry; --no-ctx-axis (specctl-noctx's
+    daemon) publishes no context bands; an argument it cannot map is refused, not ignored."""
+    steps = []
+    for i in range(400):  # s3 and plain decode at batch 8 / 32, short and long contexts taking turns
+        b, L = (8, 300) if i % 4 < 2 else (32, 4000)
+        steps.append((b, L, 3 if i % 2 else 0, (9.0 if L == 300 else 11.0) * (1.6 if i % 2 else 1.0)))
+    sd = tmp_path / "srv"
+    _telemetry(str(sd), steps)
+    with_axis = R.replayed_policy(str(sd), [])
+    without = R.replayed_policy(str(sd), ["--no-ctx-axis"])
+    assert "table" in with_axis and all(r.get("min_ctx") is None and r.get("max_ctx") is None
+                                        for r in without["table"])
+    with pytest.raises(SystemExit, match="--gap-term"):
+        R.replayed_policy(str(sd), ["--gap-term"])
