@@ -7,7 +7,11 @@ telemetry use.
 Drives the real hook functions (plugin/sglang_hooks.py) and the EngineController with the objects
 SGLang hands them (no sglang import needed); telemetry goes through the real PUSH socket to a PULL
 drained by another process; the policy SUB is polled at every sync boundary. On a GPU host the step
-timer records CUDA events instead of reading the host clock (not measured here). Goal: <= 20 us."""
+timer records CUDA events instead of reading the host clock (not measured here). Goal: <= 20 us.
+
+Also the bookkeeping SPECCTL_HOST_SEQ_LENS adds to a decode-state step (plugin/host_seq_lens.py: the forward's
+hand-over, the verify's lengths, the publish's update of the host copy, the next resolve's lookup and its length
+tensor), which replaces a wait for the previous step on the GPU (flashinfer's) when it is on."""
 
 from __future__ import annotations
 
@@ -187,6 +191,35 @@ def measure(batch_size: int, steps: int, rundir: str, *, telemetry: bool, bands:
     }
 
 
+def measure_host_lens(batch_size: int, steps: int) -> dict:
+    """One decode-state step's host-length bookkeeping, with the objects SGLang hands the hooks."""
+    import torch
+
+    from specctl.plugin.host_seq_lens import HostSeqLens
+
+    hl = HostSeqLens("on")
+    rows = torch.arange(1, batch_size + 1)
+    lens = torch.full((batch_size,), 700, dtype=torch.int64)
+    fut = type("Indices", (), {"shape": (batch_size,)})()
+    fmap = type("FutureMap", (), {"needs_cpu_seq_lens": True})()
+    batch = type("Batch", (), {"spec_info": type("Spec", (), {"future_indices": rows})(),
+                               "req_pool_indices_cpu": rows})()
+    hl.begin_forward(rows, lens)
+    hl.after_publish(fut)  # a prefill filled the copy
+    ns = []
+    for _ in range(steps):
+        t0 = time.perf_counter_ns()
+        vals, _ = hl.host_lengths(fmap, batch)
+        host = torch.tensor(vals, dtype=torch.int64)
+        hl.begin_forward(rows)
+        hl.on_decode_step(rows, host)
+        hl.after_publish(fut)
+        ns.append(time.perf_counter_ns() - t0)
+    assert hl.lens[1][0] == 700 + steps
+    return {"batch_size": batch_size, "steps": steps, "host_lens_us_median": statistics.median(ns) / 1000,
+            "host_lens_us_p99": sorted(ns)[int(0.99 * len(ns))] / 1000}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=50_000)
@@ -220,9 +253,19 @@ def main() -> None:
     ctx_read = {r["batch_size"]: r["ctx_read_us_median"] for r in runs if r["bands"]}
     print("context read (sum of kv_committed_len over the batch's requests), median: "
           + ", ".join(f"bs {b}: {us:.2f} us" for b, us in sorted(ctx_read.items())))
+    try:
+        host_lens = [measure_host_lens(bs, min(args.steps, 20_000)) for bs in (1, 32, 256)]
+        print("SPECCTL_HOST_SEQ_LENS bookkeeping per decode-state step, median (p99): "
+              + ", ".join(f"bs {r['batch_size']}: {r['host_lens_us_median']:.2f} us ({r['host_lens_us_p99']:.2f})"
+                          for r in host_lens))
+    except ImportError as e:  # the plugin's module runs inside SGLang, with torch
+        host_lens = None
+        print(f"SPECCTL_HOST_SEQ_LENS bookkeeping not measured: {e} (run this with an SGLang environment's python, "
+              "e.g. .cache/sglang-0.5.17/bin/python)")
     record = {
         "benchmark": "plugin_overhead", "goal_us": 20.0, "worst_median_us": worst, "runs": runs,
         "ctx_read_us_median_by_batch": ctx_read,
+        "host_lens": host_lens,
         "load_average_1m": load[0],
         "machine": {"python": platform.python_version(), "cpu": platform.processor() or platform.machine(),
                     "cores": os.cpu_count(), "node": platform.node()},

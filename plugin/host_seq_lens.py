@@ -34,6 +34,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Callable, Optional
 
+import numpy as np
 import torch
 
 log = logging.getLogger("specctl")
@@ -44,7 +45,8 @@ AUDIT_EVERY = 256  # after the check, one resolve in this many still pulls and c
 
 
 class HostSeqLens:
-    """The host's copy of the lengths the publishes wrote, row by row, and its use by the next resolve."""
+    """The host's copy of the lengths the publishes wrote, row by row (arrays indexed by request-pool row: a
+    decode step's bookkeeping is a few vectorised numpy operations), and its use by the next resolve."""
 
     def __init__(self, mode: str, check_steps: int = DEFAULT_CHECK_STEPS):
         if mode not in MODES:
@@ -52,20 +54,27 @@ class HostSeqLens:
         self.mode = mode
         self.check_left = check_steps if mode == "check" else 0  # resolves still to compare
         self.check_prefill_left = check_steps if mode == "check" else 0  # ... with rows a prefill published
-        self.expect: Optional[list[int]] = None  # the rows of the forward in flight
-        self.values: Optional[list[int]] = None  # and their lengths after it, where the host knows them
+        self.expect: Optional[np.ndarray] = None  # the rows of the forward in flight
+        self.values: Optional[np.ndarray] = None  # and their lengths after it, where the host knows them
         self.from_prefill = False
-        self.lens: dict[int, tuple[int, bool]] = {}  # request-pool row -> (length on the device, from a prefill)
+        self._len = np.zeros(0, dtype=np.int64)  # per request-pool row: its length on the device ...
+        self._ok = np.zeros(0, dtype=bool)  # ... where the host followed its last write
+        self._pre = np.zeros(0, dtype=bool)  # ... and that write was a prefill's
         self.off_reason: Optional[str] = None
         self.num_host = 0  # resolves served from the host copy
         self.num_device = 0  # resolves that pulled the lengths from the device
         self.num_checked = 0
         self.since_audit = 0
 
+    @property
+    def lens(self) -> dict[int, tuple[int, bool]]:
+        """The copy as {row: (length, from a prefill)} (for status and tests; the hooks use the arrays)."""
+        return {int(r): (int(self._len[r]), bool(self._pre[r])) for r in np.flatnonzero(self._ok)}
+
     def status(self) -> dict[str, Any]:
         return {"mode": self.mode, "on": self.on, "off_reason": self.off_reason, "host_resolves": self.num_host,
                 "device_resolves": self.num_device, "checked": self.num_checked, "check_left": self.check_left,
-                "check_prefill_left": self.check_prefill_left}
+                "check_prefill_left": self.check_prefill_left, "rows_held": int(self._ok.sum())}
 
     @property
     def on(self) -> bool:
@@ -76,7 +85,7 @@ class HostSeqLens:
             self.off_reason = why
             log.warning("specctl: host sequence lengths off: %s; SGLang's device pull for every step from now on", why)
         self.expect = self.values = None
-        self.lens = {}
+        self._ok[:] = False
 
     # ------------------------------------------------------------------ hand-overs
 
@@ -84,21 +93,22 @@ class HostSeqLens:
         """A spec-v2 forward starts: its rows, and for a prefill the lengths it will publish."""
         if not self.on:
             return
-        self.expect = None if rows is None else _ints(rows)
+        self.expect = None if rows is None else _arr(rows).copy()
         self.values = None
         self.from_prefill = False
         if self.expect is not None and prefill_lens is not None and len(prefill_lens) == len(self.expect):
-            self.values, self.from_prefill = _ints(prefill_lens), True
+            self.values, self.from_prefill = _arr(prefill_lens).copy(), True
 
     def on_decode_step(self, rows: Any, committed: Any) -> None:
         """After a decode-state verify call whose decode forward ran: the batch's request-pool rows and the
         committed lengths its decode forward planned with (each row's length after the step is one more)."""
         if not self.on or self.expect is None:
             return
-        if rows is None or committed is None or _ints(rows) != self.expect or len(committed) != len(self.expect):
+        if rows is None or committed is None or len(committed) != len(self.expect) \
+                or not np.array_equal(_arr(rows), self.expect):
             self.values = None
             return
-        self.values, self.from_prefill = [n + 1 for n in _ints(committed)], False
+        self.values, self.from_prefill = _arr(committed) + 1, False
 
     # ------------------------------------------------------------------ FutureMap hooks
 
@@ -108,34 +118,40 @@ class HostSeqLens:
         self.expect = self.values = None
         if not self.on:
             return
-        if int(future_indices.shape[0]) == 0:  # DP idle: SGLang writes nothing
+        n = int(future_indices.shape[0])
+        if n == 0:  # DP idle: SGLang writes nothing
             return
-        if rows is None or len(rows) != int(future_indices.shape[0]):
-            self.lens = {}  # a write the host cannot follow row by row
+        if rows is None or len(rows) != n:
+            self._ok[:] = False  # a write the host cannot follow row by row
             return
         if vals is None:
-            for r in rows:
-                self.lens.pop(r, None)
-        else:
-            self.lens.update((r, (n, pre)) for r, n in zip(rows, vals))
+            self._ok[rows[rows < len(self._ok)]] = False
+            return
+        top = int(rows.max()) + 1
+        if top > len(self._ok):
+            grow = max(top, 2 * len(self._ok))
+            self._len, self._ok, self._pre = (np.concatenate([a, np.zeros(grow - len(a), dtype=a.dtype)])
+                                              for a in (self._len, self._ok, self._pre))
+        self._len[rows] = vals
+        self._ok[rows] = True
+        self._pre[rows] = pre
 
-    def host_lengths(self, fmap: Any, batch: Any) -> Optional[tuple[list[int], bool]]:
+    def host_lengths(self, fmap: Any, batch: Any) -> Optional[tuple[np.ndarray, bool]]:
         """The batch's lengths from the host copy and whether a prefill published any of them, or None where
         SGLang's pull must run."""
         self.expect = self.values = None  # a hand-over no publish took belongs to no step
-        if not self.on or not self.lens or not getattr(fmap, "needs_cpu_seq_lens", False):
+        if not self.on or not getattr(fmap, "needs_cpu_seq_lens", False):
             return None
         spec = getattr(batch, "spec_info", None)
         if spec is None or getattr(spec, "future_indices", None) is None:
             return None
         rows = getattr(batch, "req_pool_indices_cpu", None)
-        if rows is None:
+        if rows is None or len(rows) == 0:
             return None
-        try:
-            got = [self.lens[r] for r in _ints(rows)]
-        except KeyError:
+        r = _arr(rows)
+        if int(r.max()) >= len(self._ok) or int(r.min()) < 0 or not self._ok[r].all():
             return None
-        return [n for n, _ in got], any(p for _, p in got)
+        return self._len[r], bool(self._pre[r].any())
 
 
 def around_resolve(hl: HostSeqLens, debug_assert: Callable[[], bool], orig: Callable[..., Any], fmap: Any,
@@ -143,7 +159,7 @@ def around_resolve(hl: HostSeqLens, debug_assert: Callable[[], bool], orig: Call
     """AROUND FutureMap.resolve_seq_lens_cpu(batch)."""
     try:
         found = None if debug_assert() else hl.host_lengths(fmap, batch)
-        host = None if found is None else (torch.tensor(found[0], dtype=torch.int64), sum(found[0]))
+        host = None if found is None else (torch.from_numpy(found[0]), int(found[0].sum()))
     except Exception as e:  # noqa: BLE001 - SGLang's pull runs
         hl.turn_off(f"{type(e).__name__}: {e}")
         found = host = None
@@ -160,9 +176,9 @@ def around_resolve(hl: HostSeqLens, debug_assert: Callable[[], bool], orig: Call
         got = _ints(batch.seq_lens_cpu) if batch.seq_lens_cpu is not None else None
         hl.num_checked += 1
         hl.num_device += 1
-        if got != vals:
-            bad = [(r, h, d) for r, h, d in zip(_ints(batch.req_pool_indices_cpu), vals, got or [None] * len(vals))
-                   if h != d][:4]
+        if got != vals.tolist():
+            bad = [(r, h, d) for r, h, d in zip(_ints(batch.req_pool_indices_cpu), vals.tolist(),
+                                                got or [None] * len(vals)) if h != d][:4]
             hl.turn_off(f"self-check: the host's lengths differ from the device's (row, host, device: {bad})")
             return out
         if not checking:
@@ -229,3 +245,10 @@ def _pulls(fmap: Any, batch: Any) -> bool:
 
 def _ints(x: Any) -> list[int]:
     return [int(v) for v in (x.tolist() if hasattr(x, "tolist") else x)]
+
+
+def _arr(x: Any) -> np.ndarray:
+    """Request-pool rows or lengths (a CPU tensor, as SGLang keeps them on the host, or a sequence) as int64."""
+    if isinstance(x, torch.Tensor):
+        return x.numpy().astype(np.int64, copy=False)
+    return np.asarray(x, dtype=np.int64)
