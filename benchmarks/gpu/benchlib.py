@@ -27,8 +27,8 @@ LOGPROBS = "+lp"  # plugin policy suffix: SPECCTL_PLAIN_DECODE_LOGPROBS=on (logp
 FLASHINFER = "+fi"  # plugin policy suffix: SPECCTL_PLAIN_DECODE_FLASHINFER=on (the decode state on flashinfer too)
 FI_HOST_PLAN = "+fihost"  # plugin policy suffix: SPECCTL_FI_VERIFY_HOST_PLAN=check (flashinfer's verify plan from host
 #                           values, compared with plan()'s for its first 32 plans; a mismatch logs and turns it off)
-HOST_LENS = "+hostlens"  # plugin policy suffix: SPECCTL_HOST_SEQ_LENS=check (a step after a decode-state step takes its
-#                         sequence lengths from the host, compared with the device pull for its first 32 steps)
+HOST_LENS = "+hostlens"  # plugin policy suffix: SPECCTL_HOST_SEQ_LENS=check (a step after a decode-state step or a
+#                         prefill takes its sequence lengths from the host, compared with the device pull at first)
 CATCHUP = "+catchup"  # plugin policy suffix: SPECCTL_DRAFT_CATCHUP=on (steps 0 extends the draft once per 16 steps-0 steps
 #                       and before the next draft, not every step: plugin/draft_catchup.py)
 SCALAR_ALLOC = "+scalaralloc"  # plugin policy suffix: SPECCTL_SPEC_ALLOC_LIST=off (0.5.17's speculative KV allocation reads

@@ -17,9 +17,10 @@ Step time per decode batch comes from SGLang's `Decode batch` log lines: 1000 * 
 accept_len / gen_throughput (ms); the static policies' medians at each swept batch size give the cost
 profile in the simulator format (specctl.profile/1).
 
-With --phase-set alternating the phases are ALT_PHASES (or at --alt-concurrency): the prompts alternate between the short benchmark ones
-(~100-300 tokens) and retrieval-augmented ones of --long-prompt-tokens (a generated document, then the request;
-prompts.long_prompts), at concurrencies between the two spec->off crossovers; compare `specctl` with
+With --phase-set alternating the phases are ALT_PHASES (or those at --alt-concurrency): the prompts alternate
+between the short benchmark ones (~100-300 tokens) and retrieval-augmented ones of --long-prompt-tokens (a
+generated document, then the request; prompts.long_prompts), at concurrencies between the two spec->off
+crossovers; compare `specctl` with
 `specctl-noctx` (the same plugin, its daemon on --no-ctx-axis: one table for any context) with --interleave
 --phase-repeats N: the servers take turns, and OUT/bench-<variant>.json gets `phase_pairs` (specctl ÷
 specctl-noctx, run by run) and, per plugin policy, `table_flaps` of its last policy. (`specctl-gap`, the daemon
