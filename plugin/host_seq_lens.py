@@ -140,10 +140,7 @@ class HostSeqLens:
         """The batch's lengths from the host copy and whether a prefill published any of them, or None where
         SGLang's pull must run."""
         self.expect = self.values = None  # a hand-over no publish took belongs to no step
-        if not self.on or not getattr(fmap, "needs_cpu_seq_lens", False):
-            return None
-        spec = getattr(batch, "spec_info", None)
-        if spec is None or getattr(spec, "future_indices", None) is None:
+        if not self.on or not _pulls(fmap, batch):
             return None
         rows = getattr(batch, "req_pool_indices_cpu", None)
         if rows is None or len(rows) == 0:

@@ -1025,10 +1025,9 @@ def _around_extend_catchup(orig: Callable[..., Any], draft_worker: Any, *args: A
     cu = rt.catchup if rt is not None else None
     if cu is None or not cu.on:
         return orig(draft_worker, *args, **kwargs)
-    rest = dict(kwargs)
-    batch = args[0] if args else rest.pop("batch")
-    result = args[1] if len(args) > 1 else rest.pop("batch_result")
-    return cu.around_extend(orig, draft_worker, batch, result, args[2:], rest)
+    batch, args, rest = _first_arg(args, kwargs, "batch")
+    result, args, rest = _first_arg(args, rest, "batch_result")
+    return cu.around_extend(orig, draft_worker, batch, result, args, rest)
 
 
 def _before_draft_catchup(draft_worker: Any, *args: Any, **kwargs: Any) -> None:
@@ -1106,8 +1105,18 @@ def _host_lens_problem(settings: PluginSettings, targets: Targets) -> Optional[s
     return supported(resolve)
 
 
+def _first_arg(args: tuple, kwargs: dict, name: str) -> tuple[Any, tuple, dict]:
+    """A hooked method's first argument after self, passed by position or as `name`; the rest as they came."""
+    if args:
+        return args[0], args[1:], kwargs
+    rest = dict(kwargs)
+    return rest.pop(name), args, rest
+
+
+@functools.lru_cache(maxsize=1)
 def _overlap_debug_assert() -> bool:
-    """SGLang's FutureMap debug mode poisons rows as it consumes them: the host copy stays out of its way."""
+    """SGLang's FutureMap debug mode poisons rows as it consumes them: the host copy stays out of its way (a
+    module constant, read from the environment at its import: read once)."""
     try:
         from sglang.srt.managers import overlap_utils
 
@@ -1123,9 +1132,8 @@ def _around_fmap_publish(orig: Callable[..., Any], fmap: Any, *args: Any, **kwar
         return orig(fmap, *args, **kwargs)
     from .host_seq_lens import around_publish
 
-    rest = dict(kwargs)
-    indices = args[0] if args else rest.pop("future_indices")
-    return around_publish(hl, orig, fmap, indices, *args[1:], **rest)
+    indices, args, rest = _first_arg(args, kwargs, "future_indices")
+    return around_publish(hl, orig, fmap, indices, *args, **rest)
 
 
 def _around_fmap_resolve(orig: Callable[..., Any], fmap: Any, *args: Any, **kwargs: Any) -> Any:
@@ -1135,9 +1143,8 @@ def _around_fmap_resolve(orig: Callable[..., Any], fmap: Any, *args: Any, **kwar
         return orig(fmap, *args, **kwargs)
     from .host_seq_lens import around_resolve
 
-    rest = dict(kwargs)
-    batch = args[0] if args else rest.pop("batch")
-    return around_resolve(hl, _overlap_debug_assert, orig, fmap, batch, *args[1:], **rest)
+    batch, args, rest = _first_arg(args, kwargs, "batch")
+    return around_resolve(hl, _overlap_debug_assert, orig, fmap, batch, *args, **rest)
 
 
 def _around_target_forward(orig: Callable[..., Any], target_worker: Any, *args: Any, **kwargs: Any) -> Any:
