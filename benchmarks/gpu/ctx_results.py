@@ -18,7 +18,10 @@ second of its timestamps, the server's daemon arguments): the table it would pub
 (`replayed_last_table`, `replayed_table_flaps`), beside the table the run published. A fix of the fit shows
 there before a GPU run does.
 Several --alternating calls (H and H-stock, say; each with its --logs, in the same order) go into one record when
-their servers' names differ: their runs, pairs and servers side by side.
+their servers' names differ: their runs, pairs and servers side by side. Two calls of the same servers (H-stock and
+H-stock-low) differ by --label: one per --alternating, in order ("" for none), appended to that call's server names
+("specctl+stockverify" -> "specctl+stockverify@low"), so its targets carry it too.
+The record's "notes", where OUT already has them, are kept.
 Prints each target against its figure: specctl ÷ specctl-noctx mean >= 1.05, no flap in any context band.
 """
 from __future__ import annotations
@@ -26,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics as st
 import sys
 
@@ -154,6 +158,16 @@ def alternating(bench: dict, log_dir: str | None, split: int, replay: bool = Fal
     return out
 
 
+def labelled(part: dict, label: str) -> dict:
+    """One call's alternating() with `label` appended to every server name (runs, pairs, servers)."""
+    if not label:
+        return part
+    name = lambda pol: f"{pol}{label}"
+    return {"phase_runs": [r | {"policy": name(r["policy"])} for r in part["phase_runs"]],
+            "phase_pairs": {" / ".join(name(p) for p in k.split(" / ")): v for k, v in part["phase_pairs"].items()},
+            "servers": {name(pol): s for pol, s in part["servers"].items()}}
+
+
 def merge_alternating(parts: list[dict]) -> dict:
     """Several calls' alternating() -> one: runs, pairs and servers side by side (a server named twice is an error:
     the record could not say which call a figure came from)."""
@@ -190,6 +204,8 @@ def main():
     ap.add_argument("--steps", action="append", default=[])
     ap.add_argument("--alternating", action="append", default=[])
     ap.add_argument("--logs", action="append", default=[], help="each --alternating call's server logs, in order")
+    ap.add_argument("--label", action="append", default=[],
+                    help="each --alternating call's suffix for its server names, in order (\"\" for none)")
     ap.add_argument("--call", action="append", default=[])
     ap.add_argument("--ctx-split", type=int, default=2048, help="mean context tokens per request: short below, long from")
     ap.add_argument("--replay", action="store_true", help="also replay each server's telemetry through this daemon")
@@ -199,19 +215,30 @@ def main():
         rec["ctx_steps"] = ctx_steps(a.steps)
     if a.logs and len(a.logs) != len(a.alternating):
         ap.error(f"{len(a.logs)} --logs for {len(a.alternating)} --alternating: give each call its logs, in order")
+    if a.label and len(a.label) != len(a.alternating):
+        ap.error(f"{len(a.label)} --label for {len(a.alternating)} --alternating: give each call one, in order")
+    if any(lab and not re.fullmatch(r"@[A-Za-z0-9_.-]+", lab) for lab in a.label):
+        ap.error(f"--label {a.label}: each is empty or '@' and letters, digits, '_', '.', '-'")
     if a.alternating:
         parts = []
         for i, path in enumerate(a.alternating):
             bench = json.load(open(path))
             for k in ("gpu", "sglang", "attention_backend", "model", "draft"):
                 rec.setdefault(k, bench.get(k))
-            parts.append(alternating(bench, a.logs[i] if a.logs else None, a.ctx_split, replay=a.replay))
+            part = alternating(bench, a.logs[i] if a.logs else None, a.ctx_split, replay=a.replay)
+            parts.append(labelled(part, a.label[i] if a.label else ""))
         rec["alternating"] = merge_alternating(parts)
         rec["ctx_split"] = a.ctx_split
     if a.steps:
         rec["gpu"] = rec.get("gpu") or rec["ctx_steps"]["gpu"]
     rec["targets"] = targets(rec)
-    json.dump(rec, open(a.out, "w"), indent=1)
+    if os.path.exists(a.out):
+        notes = json.load(open(a.out)).get("notes")
+        if notes:
+            rec["notes"] = notes
+    tmp = a.out + ".tmp"
+    json.dump(rec, open(tmp, "w"), indent=1)
+    os.replace(tmp, a.out)
     print(json.dumps(rec["targets"], indent=1))
     for r in (rec.get("ctx_steps") or {}).get("spec_over_off", []):
         print(f"{r['policy']:10s} L={r['prompt_tokens']:6d} c={r['concurrency']:4d}  {r['over_off']}x the no-spec step")

@@ -104,6 +104,21 @@ def test_two_alternating_calls_share_one_record_and_a_server_named_twice_is_refu
         R.merge_alternating([part("specctl", 1.0), part("specctl", 1.1)])
 
 
+def test_a_label_tells_two_calls_of_the_same_servers_apart():
+    pol, noctx = "specctl+stockverify", "specctl-noctx+stockverify"
+    part = lambda mean: {"phase_runs": [{"policy": pol, "run": 1}, {"policy": noctx, "run": 1}],  # noqa: E731
+                         "phase_pairs": {f"{pol} / {noctx}": {"mean": mean, "per_round": [mean]}},
+                         "servers": {pol: {"ctx_bands": 5, "table_flaps": {"any": 1, "0-255": 0}}, noctx: {}}}
+    assert R.labelled(part(1.0), "") == part(1.0)
+    alt = R.merge_alternating([part(1.026), R.labelled(part(1.116), "@low")])
+    assert [r["policy"] for r in alt["phase_runs"]] == [pol, noctx, pol + "@low", noctx + "@low"]
+    assert set(alt["servers"]) == {pol, noctx, pol + "@low", noctx + "@low"}
+    t = R.targets({"alternating": alt})
+    assert t["specctl_over_noctx+stockverify_mean_ge_1.05"] == 1.026
+    assert t["specctl_over_noctx+stockverify@low_mean_ge_1.05"] == 1.116
+    assert t["band_flaps+stockverify@low_eq_0"] == {"0-255": 0} and t["ctx_bands+stockverify@low_ge_2"] == 5
+
+
 def test_replay_runs_a_servers_telemetry_through_this_daemon_with_its_arguments(tmp_path):
     """--replay: the table this checkout's daemon makes of a run's telemetry; --no-ctx-axis (specctl-noctx's
     daemon) publishes no context bands; an argument it cannot map is refused, not ignored."""
