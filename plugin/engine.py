@@ -75,10 +75,10 @@ class PluginSettings:
     # decode step, on the scheduler thread; 0.5.23 reads them once itself)
     spec_alloc_list: bool = True
     # SPECCTL_PLAIN_DECODE_FLASHINFER: the decode state on the flashinfer attention backend too (its own
-    # FlashInferAttnBackend and decode graphs, as on triton); off until the GPU has checked its greedy
-    # outputs and step cost there (issue "cheaper speculative steps", item 2): flashinfer launches keep
-    # SGLang's 1-token verify
-    plain_decode_flashinfer: bool = False
+    # FlashInferAttnBackend and decode graphs, as on triton); on since its GPU checks (H100, 2026-12-06: greedy
+    # outputs 16 / 16 equal to the no-spec flashinfer server's at batch 1 and at batch 16; with SPECCTL_HOST_SEQ_LENS
+    # its step 1.024x the no-spec step at c = 1 / 4 / 16); off: flashinfer launches keep SGLang's 1-token verify
+    plain_decode_flashinfer: bool = True
     # SPECCTL_PLAIN_DECODE_LOGPROBS: steps where a request asks for log-probabilities run the decode state
     # too (SGLang computes them from its logits); off (the default until the GPU has compared them with the
     # no-spec server's): those steps run the trivial verify
@@ -91,11 +91,14 @@ class PluginSettings:
     fi_verify_check_steps: int = 32
     # SPECCTL_HOST_SEQ_LENS: a step after a decode-state step or a prefill takes its sequence lengths from the host
     # instead of SGLang 0.5.17's device pull and its wait for the previous step, which the overlap scheduler runs
-    # for backends that plan from host lengths (flashinfer) (plugin/host_seq_lens.py). "off" (the default until a
-    # GPU run has checked it), "on", or "check": the first host_seq_lens_check_steps such steps (and as many with a
-    # prefill's rows) pull too and compare, a difference turns it off
-    host_seq_lens: str = "off"
+    # for backends that plan from host lengths (flashinfer) (plugin/host_seq_lens.py). "check" (the default since
+    # its GPU run: H100, 2026-12-06, the decode state on flashinfer 1.16x -> 1.024x the no-spec step, the self-check
+    # passed in both servers), "on", or "off": with "check" the first host_seq_lens_check_steps such steps (and as
+    # many with a prefill's rows) pull too and compare, a difference turns it off; a launch whose backends plan
+    # without host lengths (triton) has nothing to skip and stands it down at its first step
+    host_seq_lens: str = "check"
     host_seq_lens_check_steps: int = 32
+    host_seq_lens_set: bool = False  # SPECCTL_HOST_SEQ_LENS given: where it cannot apply, a warning (else info)
     # SPECCTL_DRAFT_CATCHUP: steps 0 defers the draft's 1-token extends and extends the draft over what is
     # pending once per this many steps-0 steps and before the first draft after plain decode
     # (plugin/draft_catchup.py); 0 = off, SGLang's extend every step (the default: measured on the H200 it
@@ -144,9 +147,9 @@ class PluginSettings:
         `SPECCTL_PLAIN_DECODE_FLASHINFER` (`on` | `off`: the decode state on flashinfer too),
         `SPECCTL_FI_VERIFY_HOST_PLAN` (`off` | `on` | `check` | `check:N`: flashinfer's verify plan from host
         values; `check` compares it with plan()'s for the first N plans, 32 by default),
-        `SPECCTL_HOST_SEQ_LENS` (`off` | `on` | `check` | `check:N`: a step after a decode-state step or a prefill
-        takes its sequence lengths from the host; `check` compares them with the device's for the first N, 32 by
-        default),
+        `SPECCTL_HOST_SEQ_LENS` (`check` | `check:N` | `on` | `off`: a step after a decode-state step or a prefill
+        takes its sequence lengths from the host; `check`, the default, compares them with the device's for the
+        first N, 32 by default),
         `SPECCTL_DRAFT_CATCHUP` (`off` | `on` | N >= 2: steps 0 extends the draft once per N steps-0 steps,
         16 with `on`, and before the first draft after them, instead of every step)."""
 
@@ -182,7 +185,7 @@ class PluginSettings:
                                       ("DRAFT_EXTEND_GRAPHS", "draft_extend_graphs", "on"),
                                       ("SPEC_ALLOC_LIST", "spec_alloc_list", "on"),
                                       ("PLAIN_DECODE_LOGPROBS", "plain_decode_logprobs", "off"),
-                                      ("PLAIN_DECODE_FLASHINFER", "plain_decode_flashinfer", "off")):
+                                      ("PLAIN_DECODE_FLASHINFER", "plain_decode_flashinfer", "on")):
             v = (get(name) or default).lower()
             if v not in SWITCH_ON + SWITCH_OFF:
                 raise ValueError(f"SPECCTL_{name} must be on or off, not {v!r}")
@@ -191,7 +194,8 @@ class PluginSettings:
         kw["fi_verify_host_plan"], steps = _fi_verify_host_plan(get("FI_VERIFY_HOST_PLAN"))
         if steps is not None:
             kw["fi_verify_check_steps"] = steps
-        kw["host_seq_lens"], steps = _check_mode(get("HOST_SEQ_LENS"), "SPECCTL_HOST_SEQ_LENS")
+        kw["host_seq_lens"], steps = _check_mode(get("HOST_SEQ_LENS") or "check", "SPECCTL_HOST_SEQ_LENS")
+        kw["host_seq_lens_set"] = get("HOST_SEQ_LENS") is not None
         if steps is not None:
             kw["host_seq_lens_check_steps"] = steps
         if get("POLICY_FILE"):

@@ -1,4 +1,4 @@
-"""The decode state's sequence lengths kept on the host (SPECCTL_HOST_SEQ_LENS; SGLang 0.5.17; off by default).
+"""The decode state's sequence lengths kept on the host (SPECCTL_HOST_SEQ_LENS; SGLang 0.5.17; `check` by default).
 
 Under the overlap scheduler SGLang's spec-v2 path learns each step's sequence lengths from the device:
 `FutureMap.resolve_seq_lens_cpu` copies them on a private stream and then `synchronize()`s, whenever an attention
@@ -28,6 +28,8 @@ so do the first N whose rows include a prefill's (the copy's two sources); a dif
 process (logged once with the rows), then both counts done turns it on. After that (and with `on`) one such
 resolve in AUDIT_EVERY still pulls and compares. Any fault in here turns it off too: SGLang's path runs.
 Every rank holds the same batches and lengths, so every rank makes the same choice at every step.
+A launch whose FutureMap never pulls (every attention backend plans without host lengths: triton) has nothing to
+skip: the first publish stands the copy down (`stand_down`, logged once at info), and the hooks pass through.
 """
 from __future__ import annotations
 
@@ -61,6 +63,7 @@ class HostSeqLens:
         self._ok = np.zeros(0, dtype=bool)  # ... where the host followed its last write
         self._pre = np.zeros(0, dtype=bool)  # ... and that write was a prefill's
         self.off_reason: Optional[str] = None
+        self.not_needed: Optional[str] = None  # why this launch has no pull to skip (stand_down)
         self.num_host = 0  # resolves served from the host copy
         self.num_device = 0  # resolves that pulled the lengths from the device
         self.num_checked = 0
@@ -72,13 +75,22 @@ class HostSeqLens:
         return {int(r): (int(self._len[r]), bool(self._pre[r])) for r in np.flatnonzero(self._ok)}
 
     def status(self) -> dict[str, Any]:
-        return {"mode": self.mode, "on": self.on, "off_reason": self.off_reason, "host_resolves": self.num_host,
+        return {"mode": self.mode, "on": self.on, "off_reason": self.off_reason, "not_needed": self.not_needed,
+                "host_resolves": self.num_host,
                 "device_resolves": self.num_device, "checked": self.num_checked, "check_left": self.check_left,
                 "check_prefill_left": self.check_prefill_left, "rows_held": int(self._ok.sum())}
 
     @property
     def on(self) -> bool:
-        return self.mode != "off" and self.off_reason is None
+        return self.mode != "off" and self.off_reason is None and self.not_needed is None
+
+    def stand_down(self, why: str) -> None:
+        """Nothing to keep in this launch (SGLang never pulls the lengths here): off, without a warning."""
+        if self.not_needed is None and self.off_reason is None:
+            self.not_needed = why
+            log.info("specctl: host sequence lengths not used: %s", why)
+        self.expect = self.values = None
+        self._ok[:] = False
 
     def turn_off(self, why: str) -> None:
         if self.off_reason is None:
@@ -204,6 +216,10 @@ def around_resolve(hl: HostSeqLens, debug_assert: Callable[[], bool], orig: Call
 def around_publish(hl: HostSeqLens, orig: Callable[..., Any], fmap: Any, future_indices: Any,
                    *args: Any, **kwargs: Any) -> Any:
     """AROUND FutureMap.publish(future_indices, new_seq_lens, ...): SGLang's write first, then the host copy."""
+    if not getattr(fmap, "needs_cpu_seq_lens", True):
+        hl.stand_down("this launch's attention backends plan without host lengths (FutureMap.needs_cpu_seq_lens "
+                      "is False: SGLang pulls none to skip)")
+        return orig(fmap, future_indices, *args, **kwargs)
     out = orig(fmap, future_indices, *args, **kwargs)
     try:
         hl.after_publish(future_indices)

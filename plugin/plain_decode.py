@@ -131,7 +131,7 @@ TRITON, FLASHINFER = "TritonAttnBackend", "FlashInferAttnBackend"
 
 def backends(flashinfer: bool = False) -> tuple[str, ...]:
     """The attention backends the decode state is built on: triton (measured on the H200), and flashinfer
-    where SPECCTL_PLAIN_DECODE_FLASHINFER=on (not yet checked on a GPU: off by default)."""
+    unless SPECCTL_PLAIN_DECODE_FLASHINFER=off (checked on an H100, 2026-12-06: on by default since)."""
     return (TRITON, FLASHINFER) if flashinfer else (TRITON,)
 
 
@@ -181,7 +181,7 @@ def _capture(worker: Any, backends: tuple[str, ...]) -> PlainDecode:
             mr.init_new_workspace = keep
         kind = type(backend).__name__
         if kind not in backends:
-            hint = "; SPECCTL_PLAIN_DECODE_FLASHINFER=on tries flashinfer" if kind == FLASHINFER else ""
+            hint = "; SPECCTL_PLAIN_DECODE_FLASHINFER=off keeps it off flashinfer" if kind == FLASHINFER else ""
             raise RuntimeError(f"attention backend {kind} (the decode state supports {', '.join(backends)}{hint})")
         runner = None
         if getattr(steps0, "target_graph_runner", None) is not None:  # CUDA graphs on (SGLang built one)

@@ -56,7 +56,7 @@ SGLang 0.5.17 only: on an SGLang with SGLANG_OPT_FLASHINFER_VERIFY_HOST_PLAN the
     AROUND   FlashInferIndicesUpdaterPrefill.call_begin_forward       a marked wrapper is planned from seq_lens_cpu,
                                                   without plan()'s four blocking device-to-host reads
 
-The decode state's sequence lengths kept on the host (SPECCTL_HOST_SEQ_LENS, off by default; plugin/host_seq_lens.py;
+The decode state's sequence lengths kept on the host (SPECCTL_HOST_SEQ_LENS, `check` by default; plugin/host_seq_lens.py;
 SGLang 0.5.17 only; with the decode state):
 
     (AROUND  EAGLEWorkerV2.forward_batch_generation, the hook above: the forward's rows, a prefill's lengths)
@@ -785,8 +785,9 @@ def install(settings: PluginSettings, *, targets: Targets = SGLANG_TARGETS,
             rt.host_lens = HostSeqLens(settings.host_seq_lens, check_steps=settings.host_seq_lens_check_steps)
             HookRegistry.register(targets.fmap_publish, _around_fmap_publish, HookType.AROUND)
             HookRegistry.register(targets.fmap_resolve, _around_fmap_resolve, HookType.AROUND)
-        else:
-            log.warning("specctl: SPECCTL_HOST_SEQ_LENS=%s: %s", settings.host_seq_lens, why)
+        else:  # the default quietly, a setting the operator gave loudly
+            (log.warning if settings.host_seq_lens_set else log.info)(
+                "specctl: SPECCTL_HOST_SEQ_LENS=%s: %s", settings.host_seq_lens, why)
     if settings.plain_decode or settings.draft_catchup:
         HookRegistry.register(targets.init_graphs, _after_init_graphs, HookType.AFTER)
     if settings.plain_decode:

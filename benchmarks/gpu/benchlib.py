@@ -24,11 +24,15 @@ SPLITKV = "+splitkv"  # plugin policy suffix: SPECCTL_SPLITKV_VERIFY=on (SGLang'
 #                       the plugin's default since 2026-12-02: kept so that earlier commands still mean what they did)
 STOCK_VERIFY = "+stockverify"  # plugin policy suffix: SPECCTL_SPLITKV_VERIFY=off (SGLang's extend kernel: the control)
 LOGPROBS = "+lp"  # plugin policy suffix: SPECCTL_PLAIN_DECODE_LOGPROBS=on (logprob steps in the decode state too)
-FLASHINFER = "+fi"  # plugin policy suffix: SPECCTL_PLAIN_DECODE_FLASHINFER=on (the decode state on flashinfer too)
+FLASHINFER = "+fi"  # plugin policy suffix: SPECCTL_PLAIN_DECODE_FLASHINFER=on (the decode state on flashinfer too; the
+#                     plugin's default since 2026-12-06: kept so that that day's commands still mean what they did)
+NO_FLASHINFER = "+nofi"  # plugin policy suffix: SPECCTL_PLAIN_DECODE_FLASHINFER=off (flashinfer's trivial verify: the control)
 FI_HOST_PLAN = "+fihost"  # plugin policy suffix: SPECCTL_FI_VERIFY_HOST_PLAN=check (flashinfer's verify plan from host
 #                           values, compared with plan()'s for its first 32 plans; a mismatch logs and turns it off)
 HOST_LENS = "+hostlens"  # plugin policy suffix: SPECCTL_HOST_SEQ_LENS=check (a step after a decode-state step or a
-#                         prefill takes its sequence lengths from the host, compared with the device pull at first)
+#                         prefill takes its sequence lengths from the host, compared with the device pull at first;
+#                         the plugin's default since 2026-12-06)
+NO_HOST_LENS = "+nohostlens"  # plugin policy suffix: SPECCTL_HOST_SEQ_LENS=off (SGLang's device pull every step: the control)
 CATCHUP = "+catchup"  # plugin policy suffix: SPECCTL_DRAFT_CATCHUP=on (steps 0 extends the draft once per 16 steps-0 steps
 #                       and before the next draft, not every step: plugin/draft_catchup.py)
 SCALAR_ALLOC = "+scalaralloc"  # plugin policy suffix: SPECCTL_SPEC_ALLOC_LIST=off (0.5.17's speculative KV allocation reads
@@ -50,6 +54,10 @@ PLUGIN_SWITCHES = {
                    "it plans flashinfer's verify from host values"),
     HOST_LENS: ("host_seq_lens", True, "SPECCTL_HOST_SEQ_LENS", "check",
                 "it keeps the decode state's sequence lengths on the host"),
+    NO_FLASHINFER: ("plain_decode_flashinfer", False, "SPECCTL_PLAIN_DECODE_FLASHINFER", "off",
+                    "it builds its decode state on flashinfer unless told not to"),
+    NO_HOST_LENS: ("host_seq_lens", False, "SPECCTL_HOST_SEQ_LENS", "off",
+                   "it keeps the decode state's sequence lengths on the host unless told not to"),
     CATCHUP: ("draft_catchup", True, "SPECCTL_DRAFT_CATCHUP", "on", "it defers the steps-0 draft extends"),
     SCALAR_ALLOC: ("spec_alloc_list", False, "SPECCTL_SPEC_ALLOC_LIST", "off",
                    "the plugin hands SGLang's speculative KV allocation its lengths as a list"),
@@ -76,8 +84,9 @@ def parse_policy(pol):
     (its steps-0 state no longer extends the draft; an upshift then drafts from stale state); a plugin policy
     in +verify (SPECCTL_PLAIN_DECODE=off), +deg (SPECCTL_DRAFT_EXTEND_GRAPHS=on, the default) and +nodeg
     (SPECCTL_DRAFT_EXTEND_GRAPHS=off), +splitkv (SPECCTL_SPLITKV_VERIFY=on, the default) and +stockverify
-    (off), +lp (SPECCTL_PLAIN_DECODE_LOGPROBS=on), +fi (SPECCTL_PLAIN_DECODE_FLASHINFER=on), +fihost
-    (SPECCTL_FI_VERIFY_HOST_PLAN=check), +hostlens (SPECCTL_HOST_SEQ_LENS=check), +catchup
+    (off), +lp (SPECCTL_PLAIN_DECODE_LOGPROBS=on), +fi (SPECCTL_PLAIN_DECODE_FLASHINFER=on, the default) and
+    +nofi (off), +fihost (SPECCTL_FI_VERIFY_HOST_PLAN=check), +hostlens (SPECCTL_HOST_SEQ_LENS=check, the default)
+    and +nohostlens (off), +catchup
     (SPECCTL_DRAFT_CATCHUP=on), +scalaralloc (SPECCTL_SPEC_ALLOC_LIST=off), in any order
     (PLUGIN_SWITCHES). Any policy may end in +nooverlap (--disable-overlap-schedule) and +eager
     (--disable-cuda-graph): SERVER_FLAGS."""
@@ -607,6 +616,7 @@ def profile_from_runs(runs, name, source="log"):
 # The plugin holding steps 0 with every change of its own off: SGLang's steps-0 state as SGLang ships it
 # (the trivial verify, the extend verify kernel, the launch-width draft-extend graph)
 SGLANG_STEPS0 = {"plain_decode": False, "splitkv_verify": False, "draft_extend_graphs": False}
+PATH_DEFAULTS = {"plain_decode_flashinfer": True, "host_seq_lens": True}  # switches a profile's build reads as none
 PATH_BUILDS = {
     "sglang": "SGLang's EAGLE-3 server as it ships: sN = static:sN (no plugin), off = its steps-0 state (the trivial "
               "verify), held at every batch size by the plugin with its own changes off "
@@ -635,7 +645,9 @@ def path_config(pol, max_level):
     if p["kind"] != "plugin-fixed" or 1 < p["threshold"] <= max_level:
         return None
     name = "off" if p["threshold"] <= 1 else config_name(cfg)
-    switches = {f: p[f] for f, *_ in PLUGIN_SWITCHES.values() if f in p}
+    # +fi and +hostlens name the plugin's defaults since 2026-12-06 (+deg and +splitkv keep their older meaning
+    # here: the records of before their defaults read them as changes)
+    switches = {f: p[f] for f, *_ in PLUGIN_SWITCHES.values() if f in p and PATH_DEFAULTS.get(f) is not p[f]}
     if not switches:
         return "specctl", name
     if name == "off" and switches == SGLANG_STEPS0:

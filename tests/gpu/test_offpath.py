@@ -454,6 +454,14 @@ def test_hostlens_suffix_checks_the_host_lengths_beside_the_decode_state_on_flas
         B.parse_policy("off+hostlens")
 
 
+def test_the_controls_of_the_flashinfer_defaults_turn_them_off_and_refuse_their_opposites():
+    _, env, _ = B.policy_launch_args("plugin-fixed:1:s3+nofi+nohostlens", "/d")
+    assert env.get("SPECCTL_PLAIN_DECODE_FLASHINFER") == "off" and env.get("SPECCTL_HOST_SEQ_LENS") == "off"
+    for pol in ("plugin-fixed:1:s3+fi+nofi", "plugin-fixed:1:s3+nohostlens+hostlens"):
+        with pytest.raises(ValueError, match="both ways"):
+            B.parse_policy(pol)
+
+
 @pytest.mark.parametrize("pol, name", [
     ("plugin-fixed:1:s3+fi", "plugin-fixed:1:s3"), ("plugin-fixed:1:s3+fi+hostlens", "plugin-fixed:1:s3"),
     ("plugin-fixed:1:s3+lp", "plugin-fixed:1:s3"), ("plugin-fixed:1000:s3+fihost", "plugin-fixed:1000:s3+fihost"),
@@ -513,6 +521,9 @@ def test_request_stats_count_finish_steps_and_lockstep_cohorts():
     ("plugin-fixed:1:s3", ("specctl", "off")),  # the decode state
     ("plugin-fixed:1000:s2", ("specctl", "s2")),
     ("plugin-fixed:1000:s3", ("specctl", "s3")),
+    ("plugin-fixed:1:s3+fi+hostlens", ("specctl", "off")),  # the plugin's defaults since 2026-12-06, named
+    ("plugin-fixed:1:s3+nofi", None),  # the control: flashinfer's trivial verify
+    ("plugin-fixed:1:s3+nohostlens", None),
     ("plugin-fixed:64:s3", None),  # switches inside a sweep up to 128
     ("plugin-fixed:1:s3+verify", None),  # the trivial verify with the plugin's kernel and graphs: neither build
     ("plugin-fixed:1000:s3+stockverify", None),

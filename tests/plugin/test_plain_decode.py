@@ -377,13 +377,13 @@ def test_the_build_line_says_whether_graphs_were_captured(monkeypatch, caplog):
         assert f"decode state built: {want}" in caplog.text
 
 
-def test_flashinfer_is_a_decode_state_backend_only_when_asked():
+def test_flashinfer_is_a_decode_state_backend_unless_turned_off():
     from specctl.plugin.engine import PluginSettings
 
     assert pd.backends(False) == ("TritonAttnBackend",)
     assert pd.backends(True) == ("TritonAttnBackend", "FlashInferAttnBackend")
-    assert PluginSettings.from_env({}).plain_decode_flashinfer is False
-    assert PluginSettings.from_env({"SPECCTL_PLAIN_DECODE_FLASHINFER": "on"}).plain_decode_flashinfer is True
+    assert PluginSettings.from_env({}).plain_decode_flashinfer is True  # since its GPU checks (2026-12-06)
+    assert PluginSettings.from_env({"SPECCTL_PLAIN_DECODE_FLASHINFER": "off"}).plain_decode_flashinfer is False
     with pytest.raises(ValueError, match="SPECCTL_PLAIN_DECODE_FLASHINFER"):
         PluginSettings.from_env({"SPECCTL_PLAIN_DECODE_FLASHINFER": "sometimes"})
 
@@ -394,8 +394,8 @@ def test_the_runtime_builds_on_the_backends_its_settings_name(monkeypatch):
 
     seen = []
     monkeypatch.setattr(pd, "build", lambda worker, agree, backends: seen.append(backends))
-    for env, want in (({}, ("TritonAttnBackend",)),
-                      ({"SPECCTL_PLAIN_DECODE_FLASHINFER": "on"}, ("TritonAttnBackend", "FlashInferAttnBackend"))):
+    for env, want in (({"SPECCTL_PLAIN_DECODE_FLASHINFER": "off"}, ("TritonAttnBackend",)),
+                      ({}, ("TritonAttnBackend", "FlashInferAttnBackend"))):
         rt = sglang_hooks.PluginRuntime.__new__(sglang_hooks.PluginRuntime)
         rt.settings = PluginSettings.from_env({"SPECCTL_TELEMETRY": "none", "SPECCTL_POLICY": "none", **env})
         rt.targets, rt.missing_hooks, rt.tp_group = sglang_hooks.SGLANG_TARGETS, set(), _OneRank()
