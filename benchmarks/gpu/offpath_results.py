@@ -468,14 +468,32 @@ def break_even(prof: dict) -> dict:
     return out
 
 
-def write_profiles(benches: list[dict], out_dir: str, name: str, calls: list[str]) -> dict:
+def borrow_static(profiles: dict) -> dict:
+    """The specctl build's speculative curves, where its calls ran none, from SGLang's static servers of the same
+    calls (--borrow-static: on flashinfer the plugin changes nothing in a chain's speculative step that the
+    triton build's split-KV kernel does; its draft-extend graphs differ at steps 0 only); each borrowed curve is
+    named in `source.borrowed`. The other builds as they are."""
+    mine, theirs = profiles.get("specctl"), profiles.get("sglang")
+    if not mine or not theirs:
+        return profiles
+    for n, pts in theirs["step_ms"].items():
+        if n != "off" and n not in mine["step_ms"]:
+            mine["step_ms"][n], mine["configs"][n] = pts, theirs["configs"][n]
+            mine["source"].setdefault("borrowed", {})[n] = f"static:{n} (SGLang's EAGLE-3 server without the plugin)"
+            if n in theirs["source"].get("no_clean_window", {}):
+                mine["source"]["no_clean_window"][n] = theirs["source"]["no_clean_window"][n]
+    return profiles
+
+
+def write_profiles(benches: list[dict], out_dir: str, name: str, calls: list[str], borrow: bool = False) -> dict:
     backends = {b.get("attention_backend", "triton") for b in benches}
     if len(backends) != 1:
         raise SystemExit(f"--profiles: the calls ran different attention backends {sorted(backends)}: one at a time")
     os.makedirs(out_dir, exist_ok=True)
     runs = [r for b in benches for r in b.get("runs", [])]
     written = {}
-    for build, prof in path_profiles(runs, f"{name}-{backends.pop()}").items():
+    profiles = path_profiles(runs, f"{name}-{backends.pop()}")
+    for build, prof in (borrow_static(profiles) if borrow else profiles).items():
         prof["source"]["calls"] = calls
         path = os.path.join(out_dir, prof["name"] + ".json")
         with open(path, "w") as f:
@@ -497,13 +515,15 @@ def main() -> None:
                     help="a tensor_dump.py tensor-dump.json (item 5: where the decode state's forward parts)")
     ap.add_argument("--profile-name", default="h200-sglang-smollm2-135m-8b",
                     help="profile names: NAME-<attention backend>-<build>")
+    ap.add_argument("--borrow-static", action="store_true",
+                    help="the specctl profile's sN curves from static:sN where the calls ran no plugin sN")
     a = ap.parse_args()
     benches = [json.load(open(f)) for f in a.bench]
     rec = build(benches, a.call, a.logs)
     if a.tdump:
         rec["tensor_dump"] = [tdump_summary(p) for p in a.tdump]
     if a.profiles:
-        rec["path_profiles"] = write_profiles(benches, a.profiles, a.profile_name, a.call)
+        rec["path_profiles"] = write_profiles(benches, a.profiles, a.profile_name, a.call, a.borrow_static)
         print(json.dumps(rec["path_profiles"], indent=1))
     with open(a.out, "w") as f:
         json.dump(rec, f, indent=1)

@@ -579,6 +579,24 @@ def test_path_profiles_take_clean_medians_per_build_and_load_in_the_simulator(tm
                          str(tmp_path), "t", [])
 
 
+def test_borrowed_static_curves_fill_only_the_specctl_builds_missing_configurations(tmp_path):
+    from training.simulator import parse_profile
+
+    runs = [_prow("off", 1, 8.1, 8.2), _prow("off", 16, 8.9, 9.5),
+            _prow("plugin-fixed:1:s3+fi+hostlens", 1, 8.3, 8.4), _prow("plugin-fixed:1:s3+fi+hostlens", 16, 9.1, 9.6),
+            _prow("plugin-fixed:1000:s1", 1, 10.0, 10.1),
+            _prow("static:s1", 1, 10.4, 10.5), _prow("static:s3", 1, 10.9, 11.0), _prow("static:s3", 16, None, 17.0)]
+    fi = [{"attention_backend": "flashinfer", "runs": runs}]
+    plain = O.write_profiles(fi, str(tmp_path / "a"), "t", [])
+    assert json.load(open(plain["specctl"]["file"]))["step_ms"] == {"off": [[1, 8.3], [16, 9.1]], "s1": [[1, 10.0]]}
+    got = O.write_profiles(fi, str(tmp_path / "b"), "t", [], borrow=True)
+    sp = json.load(open(got["specctl"]["file"]))
+    assert sp["step_ms"] == {"off": [[1, 8.3], [16, 9.1]], "s1": [[1, 10.0]], "s3": [[1, 10.9]]}  # its own s1 stays
+    assert list(sp["source"]["borrowed"]) == ["s3"] and sp["source"]["no_clean_window"] == {"s3": [16]}
+    assert json.load(open(got["sglang"]["file"]))["step_ms"] == {"s1": [[1, 10.4]], "s3": [[1, 10.9]]}
+    assert parse_profile(sp).config_names == ("off", "s1", "s3")
+
+
 def test_prefill_batches_count_the_high_load_lines_and_their_new_requests():
     line = ("[t] Prefill batch, #new-seq: {n}, #new-token: 40, #cached-token: 20, token usage: 0.1, "
             "#running-req: {r}, #queue-req: 0\n")
