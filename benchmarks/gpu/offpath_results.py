@@ -470,9 +470,10 @@ def break_even(prof: dict) -> dict:
 
 def borrow_static(profiles: dict) -> dict:
     """The specctl build's speculative curves, where its calls ran none, from SGLang's static servers of the same
-    calls (--borrow-static: on flashinfer the plugin changes nothing in a chain's speculative step that the
-    triton build's split-KV kernel does; its draft-extend graphs differ at steps 0 only); each borrowed curve is
-    named in `source.borrowed`. The other builds as they are."""
+    calls (--borrow-static, for flashinfer: the plugin's own changes to a chain's speculative step are triton's
+    split-KV kernel and, at steps 0 only, the draft-extend graphs, so on flashinfer its sN should cost what SGLang's
+    does; docs/gpu-testbed.md's J6 measures whether it does); each borrowed curve is named in `source.borrowed`.
+    The other builds as they are."""
     mine, theirs = profiles.get("specctl"), profiles.get("sglang")
     if not mine or not theirs:
         return profiles
