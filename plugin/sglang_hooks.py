@@ -804,10 +804,16 @@ def runtime() -> Optional[PluginRuntime]:
     return _RUNTIME
 
 
+def _live(part: str) -> Any:
+    """The runtime's `part` (plain, catchup, host_lens) while it is on, else None: each hook's first question."""
+    obj = getattr(_RUNTIME, part, None)
+    return obj if obj is not None and obj.on else None
+
+
 def _around_forward(orig: Callable[..., Any], worker: Any, *args: Any, **kwargs: Any) -> Any:
     rt = _RUNTIME
-    hl = getattr(rt, "host_lens", None)
-    if hl is not None and hl.on:
+    hl = _live("host_lens")
+    if hl is not None:
         _host_lens_begin(hl, args, kwargs)
     if rt is None or (rt.timer is None and not rt._wants_ctx()):
         return orig(worker, *args, **kwargs)
@@ -1022,9 +1028,8 @@ def _after_init_graphs(ret: Any, worker: Any, *args: Any, **kwargs: Any) -> None
 
 
 def _around_extend_catchup(orig: Callable[..., Any], draft_worker: Any, *args: Any, **kwargs: Any) -> Any:
-    rt = _RUNTIME
-    cu = rt.catchup if rt is not None else None
-    if cu is None or not cu.on:
+    cu = _live("catchup")
+    if cu is None:
         return orig(draft_worker, *args, **kwargs)
     batch, args, rest = _first_arg(args, kwargs, "batch")
     result, args, rest = _first_arg(args, rest, "batch_result")
@@ -1032,17 +1037,15 @@ def _around_extend_catchup(orig: Callable[..., Any], draft_worker: Any, *args: A
 
 
 def _before_draft_catchup(draft_worker: Any, *args: Any, **kwargs: Any) -> None:
-    rt = _RUNTIME
-    cu = rt.catchup if rt is not None else None
-    if cu is not None and cu.on:
+    cu = _live("catchup")
+    if cu is not None:
         cu.before_draft(draft_worker, args[0] if args else kwargs["batch"])
     return None
 
 
 def _after_prefill_catchup(ret: Any, draft_worker: Any, *args: Any, **kwargs: Any) -> None:
-    rt = _RUNTIME
-    cu = rt.catchup if rt is not None else None
-    if cu is not None and cu.on:
+    cu = _live("catchup")
+    if cu is not None:
         cu.after_prefill(args[0] if args else kwargs["batch"])
     return None  # keep SGLang's return value
 
@@ -1061,15 +1064,14 @@ def _after_trivial_verify_input(ret: Any, worker: Any, *args: Any, **kwargs: Any
 
 
 def _around_verify(orig: Callable[..., Any], worker: Any, batch: Any, *args: Any, **kwargs: Any) -> Any:
-    rt = _RUNTIME
-    plain = rt.plain if rt is not None else None
-    if plain is None or not plain.on or worker.speculative_num_steps != 0:
+    plain = _live("plain")
+    if plain is None or worker.speculative_num_steps != 0:
         return orig(worker, batch, *args, **kwargs)
     from . import plain_decode
 
     plain.planned = None
     out = plain_decode.around_verify(plain, orig, worker, batch, args, kwargs)
-    hl = getattr(rt, "host_lens", None)
+    hl = _live("host_lens")
     if hl is not None and plain.planned is not None and plain.ran and plain.on:
         try:
             hl.on_decode_step(*plain.planned)
@@ -1127,9 +1129,8 @@ def _overlap_debug_assert() -> bool:
 
 
 def _around_fmap_publish(orig: Callable[..., Any], fmap: Any, *args: Any, **kwargs: Any) -> Any:
-    rt = _RUNTIME
-    hl = rt.host_lens if rt is not None else None
-    if hl is None or not hl.on:
+    hl = _live("host_lens")
+    if hl is None:
         return orig(fmap, *args, **kwargs)
     from .host_seq_lens import around_publish
 
@@ -1138,9 +1139,8 @@ def _around_fmap_publish(orig: Callable[..., Any], fmap: Any, *args: Any, **kwar
 
 
 def _around_fmap_resolve(orig: Callable[..., Any], fmap: Any, *args: Any, **kwargs: Any) -> Any:
-    rt = _RUNTIME
-    hl = rt.host_lens if rt is not None else None
-    if hl is None or not hl.on:
+    hl = _live("host_lens")
+    if hl is None:
         return orig(fmap, *args, **kwargs)
     from .host_seq_lens import around_resolve
 
