@@ -645,11 +645,8 @@ class CostModel:
             # nothing to clip it against. A server's first steps include its warm-up (2026-12-06, H100: a 735 ms
             # first step at batch 1 with 6 tokens of context, unclipped, turned s3's batch exponent from 0.25
             # to 1 and its short context bands to plain decode from batch 8)
-            cell = self.times_[key]
-            vals = cell.recent if len(cell.recent) >= MIN_SETTLED else cell.warm
-            if len(vals) < MIN_SETTLED:
-                vals = ()
-            ref = float(np.median(vals)) if vals else None
+            vals, _ = self.times_[key].settled()
+            ref = float(np.median(vals)) if len(vals) >= MIN_SETTLED else None
         if ref is not None:
             # one wild step (a stall) would move a least-squares slope more than the context does
             cc.add(w, x, min(step_ms, CTX_CLIP * ref))
