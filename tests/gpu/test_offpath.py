@@ -438,20 +438,19 @@ def test_server_flag_suffixes_reach_the_servers_command_line(pol, flags):
     assert B.parse_policy(pol)["kind"] == base["kind"]
 
 
-def test_fi_suffix_builds_the_decode_state_on_flashinfer():
-    _, env, _ = B.policy_launch_args("plugin-fixed:1:s3+fi", "/d")
-    assert env.get("SPECCTL_PLAIN_DECODE_FLASHINFER") == "on"
-    assert "SPECCTL_PLAIN_DECODE_FLASHINFER" not in B.policy_launch_args("plugin-fixed:1:s3", "/d")[1]
+@pytest.mark.parametrize("pol, want, without, not_plugin", [
+    # +fi: the decode state on flashinfer; +hostlens: its host lengths checked beside it
+    ("plugin-fixed:1:s3+fi", {"SPECCTL_PLAIN_DECODE_FLASHINFER": "on"}, "plugin-fixed:1:s3", "static:s3+fi"),
+    ("plugin-fixed:1:s3+fi+hostlens", {"SPECCTL_HOST_SEQ_LENS": "check", "SPECCTL_PLAIN_DECODE_FLASHINFER": "on"},
+     "plugin-fixed:1:s3+fi", "off+hostlens"),
+])
+def test_a_flashinfer_suffix_sets_its_switch_and_needs_a_plugin(pol, want, without, not_plugin):
+    _, env, _ = B.policy_launch_args(pol, "/d")
+    assert {k: env.get(k) for k in want} == want
+    switch = next(iter(want))  # the suffix's own: absent from the policy without it
+    assert switch not in B.policy_launch_args(without, "/d")[1]
     with pytest.raises(ValueError, match="plugin"):
-        B.parse_policy("static:s3+fi")
-
-
-def test_hostlens_suffix_checks_the_host_lengths_beside_the_decode_state_on_flashinfer():
-    _, env, _ = B.policy_launch_args("plugin-fixed:1:s3+fi+hostlens", "/d")
-    assert env.get("SPECCTL_HOST_SEQ_LENS") == "check" and env.get("SPECCTL_PLAIN_DECODE_FLASHINFER") == "on"
-    assert "SPECCTL_HOST_SEQ_LENS" not in B.policy_launch_args("plugin-fixed:1:s3+fi", "/d")[1]
-    with pytest.raises(ValueError, match="plugin"):
-        B.parse_policy("off+hostlens")
+        B.parse_policy(not_plugin)
 
 
 def test_the_controls_of_the_flashinfer_defaults_turn_them_off_and_refuse_their_opposites():
