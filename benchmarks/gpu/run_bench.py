@@ -398,9 +398,12 @@ async def resync_probe(port, log_path, probes, fillers, *, probe_tokens=2400, of
             "probe_c": len(probes), "filler_c": filler_c}
 
 
-def profile_server(port, out_dir, name, c, items, steps=40, new_tokens=1024, wait_s=120.0, churn=False, spread=0):
+def profile_server(port, out_dir, name, c, items, steps=40, new_tokens=1024, wait_s=120.0, churn=False, spread=0,
+                   stack=False):
     """A torch profile of `steps` forward steps of one server under a closed loop at concurrency c (SGLang's
-    /start_profile: CPU + GPU activities, no stacks or shapes), reduced here by trace_steps.py to
+    /start_profile: CPU + GPU activities, no shapes; stacks only with `stack`: torch's Python tracer, whose
+    `python_function` events trace_steps turns into self / inclusive time per function; it slows every Python
+    call, so such a profile's step times are not the server's), reduced here by trace_steps.py to
     OUT/prof-<name>-c<c>.json; the raw trace (tens of MB) is deleted. The reduction, or {"error": ...}.
     The load ignores EOS, so all c requests are still decoding when the profile starts (2026-12-01, without:
     the c=16 profiles caught batches of 5 and 6). churn: instead, a closed loop of 8c requests of new_tokens that
@@ -432,7 +435,7 @@ def profile_server(port, out_dir, name, c, items, steps=40, new_tokens=1024, wai
         # a step, prefills included: 5.8 s at caps 128 +- 32)
         time.sleep(max(3.0, 3 * 0.012 * (new_tokens + spread)) if churn else 3.0)
         http(port, "/start_profile", {"output_dir": d, "num_steps": steps, "activities": ["CPU", "GPU"],
-                                      "with_stack": False, "record_shapes": False, "profile_id": f"{name}-c{c}"}, t=60)
+                                      "with_stack": stack, "record_shapes": False, "profile_id": f"{name}-c{c}"}, t=60)
         t0, last = time.time(), -1
         while time.time() - t0 < wait_s:
             got = glob.glob(os.path.join(d, "*.trace.json*"))
@@ -517,7 +520,10 @@ def main():
     ap.add_argument("--profile", default="", help="comma list of POLICY@C: a torch profile of that server at "
                                                  "concurrency C after its measurements (a profiled server stays slower), reduced by trace_steps.py (all C "
                                                  "requests decoding); POLICY@C:churn: requests of --new-tokens ending "
-                                                 "at EOS and arriving between steps, as in the phase workload")
+                                                 "at EOS and arriving between steps, as in the phase workload; "
+                                                 "POLICY@C:stack: with Python stacks (torch's Python tracer: self and "
+                                                 "inclusive time per function; at most 12 steps; list it after the "
+                                                 "same server's plain profile, whose step times it does not disturb)")
     ap.add_argument("--profile-steps", type=int, default=40, help="forward steps per profile")
     ap.add_argument("--resync-off-s", type=float, default=30.0, help="the plain-decode stretch of the resync probe (s)")
     ap.add_argument("--resync-probe-tokens", type=int, default=2400,
@@ -557,6 +563,10 @@ def main():
                          "JSON summarises it per server (`request_stats`): how arrivals cluster, how long they wait")
     ap.add_argument("--port0", type=int, default=31000)
     a = ap.parse_args()
+    for spec in (x for x in a.profile.split(",") if x):
+        c, *mods = spec.rpartition("@")[2].split(":")
+        if "@" not in spec or not c.isdigit() or set(mods) - {"churn", "stack"}:
+            ap.error(f"--profile {spec!r}: expected POLICY@C, POLICY@C:churn or POLICY@C:stack")
     os.makedirs(a.out, exist_ok=True)
     deadline = T0 + a.deadline_s
     # the measurements stop early enough for the profiles, which come after them (profiles_of): ~40 s each
@@ -763,14 +773,16 @@ def main():
         build at c = 64 / 128), so nothing a profiled server measures afterwards is comparable."""
         for spec in (x for x in a.profile.split(",") if x):
             pol, c = spec.rsplit("@", 1)
-            c, churn = (c[:-len(":churn")], True) if c.endswith(":churn") else (c, False)
+            c, *mods = c.split(":")
+            churn, stack = "churn" in mods, "stack" in mods
             for sv in (sv for sv in servers if sv["policy"] == pol and not sv.get("retired")):
                 if time.time() > deadline - 40:
                     log("deadline: no profile", spec)
                     break
-                r = profile_server(sv["port"], a.out, pol.replace(":", "_") + ("-churn" if churn else ""), int(c),
-                                   mixed, a.profile_steps, **({"new_tokens": a.new_tokens, "churn": True,
-                                                                 "spread": a.new_tokens_spread} if churn else {}))
+                r = profile_server(sv["port"], a.out, pol.replace(":", "_") + "".join(f"-{m}" for m in mods), int(c),
+                                   mixed, min(a.profile_steps, 12) if stack else a.profile_steps, stack=stack,
+                                   **({"new_tokens": a.new_tokens, "churn": True,
+                                       "spread": a.new_tokens_spread} if churn else {}))
                 result.setdefault("profiles", {})[spec] = r
                 log(f"profile {spec}:", json.dumps({k: r.get(k) for k in ("steps", "median", "error") if k in r}))
 

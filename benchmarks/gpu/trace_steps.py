@@ -17,6 +17,11 @@ requests ending and arriving, as in the phase workload — spends its time outsi
 window (`rows`: one decode step and the prefill iteration after it) the prefill's extend spans — `[bs, tokens]`
 each: the target's, then in an EAGLE server the draft's over the same prompts — with the GPU time of the work each
 launched, and the window's GPU busy and idle time: what a prefill iteration costs each server, part by part.
+A trace taken with stacks (SGLang's /start_profile with_stack: torch's Python tracer, `python_function` events)
+also says where the scheduler thread's Python time goes over the kept steps: per function, its self time (less the
+Python calls it made) and its inclusive time (its outermost call only, so recursion counts once), each per step,
+over the calls that start and end inside one kept step. The tracer slows every call it sees, so such a profile's
+step times are not the server's: read its shares, not its milliseconds.
 """
 from __future__ import annotations
 
@@ -34,6 +39,8 @@ TOKS_RE = re.compile(r"toks=(\d+)")
 TARGET_MODES = ("DECODE", "TARGET_VERIFY")
 GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
 RUNTIME_CATS = ("cuda_runtime", "cuda_driver")
+PY_CAT = "python_function"
+ADDR_RE = re.compile(r" at 0x[0-9a-fA-F]+")
 
 
 def _is_sync(name: str) -> bool:
@@ -92,6 +99,37 @@ def summarize_prefill_rows(pre_rows: list[dict]) -> dict[str, Any]:
     pw["prefill_tokens_median"] = _med(toks)  # of each window's first prefill
     pw["rows"] = pre_rows
     return pw
+
+
+def python_functions(py: list[dict], windows: list[tuple[float, float]], top: int = 30) -> dict[str, Any]:
+    """Self and inclusive time per Python function (ms per kept step) of one thread's `python_function` events,
+    counting the calls that lie wholly inside one of `windows` (sorted (start, end) pairs, µs)."""
+    starts = [w[0] for w in windows]
+
+    def inside(e: dict) -> bool:
+        i = bisect.bisect_right(starts, e["ts"]) - 1
+        return i >= 0 and e["ts"] + e["dur"] <= windows[i][1]
+    self_t: collections.Counter = collections.Counter()
+    incl_t: collections.Counter = collections.Counter()
+    calls = 0
+    stack: list[tuple[float, str, bool]] = []  # the open calls: (end, name, counted)
+    for e in sorted(py, key=lambda e: (e["ts"], -e["dur"])):
+        end, name = e["ts"] + e["dur"], ADDR_RE.sub("", e.get("name", ""))[:110]
+        while stack and stack[-1][0] <= e["ts"]:
+            stack.pop()
+        counted = inside(e)
+        if counted:
+            calls += 1
+            self_t[name] += e["dur"]
+            if name not in {n for _, n, _ in stack}:  # its outermost call: recursion counts once
+                incl_t[name] += e["dur"]
+            if stack and stack[-1][2] and end <= stack[-1][0]:
+                self_t[stack[-1][1]] -= e["dur"]  # a call's time is not its caller's own
+        stack.append((end, name, counted))
+    n = max(len(windows), 1)
+    return {"python_calls_per_step": round(calls / n, 1),
+            "python_self_ms_per_step": {k: round(v / 1000.0 / n, 4) for k, v in self_t.most_common(top)},
+            "python_inclusive_ms_per_step": {k: round(v / 1000.0 / n, 4) for k, v in incl_t.most_common(top)}}
 
 
 def reduce_events(events: list[dict], label: str = "") -> dict[str, Any]:
@@ -161,7 +199,8 @@ def reduce_events(events: list[dict], label: str = "") -> dict[str, Any]:
                           gpu_idle_ms=round((g1 - g0) / 1000.0 - busy, 4))
             pre_rows.append(pr)
             continue
-        row: dict[str, Any] = {"bs": int(STEP_RE.match(target[k]["name"]).group(2) or 0), "cpu_window_ms": (c1 - c0) / 1000.0}
+        row: dict[str, Any] = {"bs": int(STEP_RE.match(target[k]["name"]).group(2) or 0), "cpu_window_ms": (c1 - c0) / 1000.0,
+                               "c0": c0, "c1": c1}
         a, b = bisect.bisect_left(rt_ts, c0), bisect.bisect_left(rt_ts, c1)
         calls = rt[a:b]
         row["sync_ms"] = sum(e["dur"] for e in calls if _is_sync(e["name"])) / 1000.0
@@ -210,6 +249,9 @@ def reduce_events(events: list[dict], label: str = "") -> dict[str, Any]:
     res["cpu_ops_ms_per_step"] = {k: round(v / 1000.0 / n, 4) for k, v in by_op.most_common(15)}
     res["gpu_kernels_ms_per_step"] = {k: round(v / 1000.0 / n, 4) for k, v in by_kernel.most_common(12)}
     res["per_step_gpu_window_ms"] = [round(r.get("gpu_window_ms", 0.0), 3) for r in rows]
+    py = [e for e in X if e.get("cat") == PY_CAT and tkey(e) == sched]
+    if py:  # a profile with stacks
+        res.update(python_functions(py, sorted((r["c0"], r["c1"]) for r in rows)))
     return res
 
 

@@ -171,7 +171,7 @@ def test_call_d_runs_end_to_end_against_the_stand_in_and_makes_the_record(tmp_pa
            "--draft", "/d", "--policies", ",".join(pols), "--levels", "1,4", "--new-tokens", "400",
            "--req-per-level", "max(2*c,4)", "--interleave", "--repeats", "2", "--identity-c", "1",
            "--identity-tokens", "24", "--resync", f"{O.RESYNC},{O.RESYNC_SKIP}", "--resync-off-s", "0.5",
-           "--resync-probe-tokens", "8000", "--profile", f"{O.DECODE_STATE}@4,{O.NO_SPEC_POLICY}@4:churn", "--profile-steps", "6",
+           "--resync-probe-tokens", "8000", "--profile", f"{O.DECODE_STATE}@4,{O.NO_SPEC_POLICY}@4:churn,{O.DECODE_STATE}@4:stack", "--profile-steps", "6",
            "--parallel", "5", "--deadline-s", "300", "--out", str(out), "--prompts", bench_prompts,
            "--tokenizer", "simple", "--specctl-site", str(tmp_path / "site"), "--port0", port0, "--request-stats"]
     r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400)
@@ -215,6 +215,10 @@ def test_call_d_runs_end_to_end_against_the_stand_in_and_makes_the_record(tmp_pa
     churn = bench["profiles"][f"{O.NO_SPEC_POLICY}@4:churn"]  # requests ending and arriving: the same reduction
     assert churn["steps"] == 5 and churn["prefill_windows"]["n"] == 0
     assert os.path.exists(out / "prof-off-churn-c4.json")
+    assert "python_self_ms_per_step" not in prof  # asked without stacks: no Python tracer
+    stack = bench["profiles"][f"{O.DECODE_STATE}@4:stack"]  # the stand-in's Python calls: 3 ms holding 1 ms a step
+    assert stack["steps"] == 5 and stack["python_calls_per_step"] == 2.0
+    assert stack["python_self_ms_per_step"] == {"scheduler.py(1): run_batch": 2.0, "worker.py(2): verify": 1.0}
     assert not [p for p in os.listdir(out) if p.startswith("trace-")]  # the raw trace is not kept
     swept = {row["policy"] for row in bench["runs"]}
     assert swept == {O.NO_SPEC_POLICY, O.DECODE_STATE, O.TRIVIAL}  # the probed servers were retired, not swept

@@ -113,3 +113,39 @@ def test_two_prefills_of_a_no_spec_server_are_two_targets_not_a_target_and_a_dra
     assert pw["rows"][0]["extends"] == [[1, 50], [2, 300]] and pw["rows"][0]["extend_gpu_ms"] == [3.0, 9.0]
     assert pw["target_extend_gpu_ms_median"] == 6.0 and "draft_extend_gpu_ms_median" not in pw
     assert pw["prefill_tokens_median"] == 50
+
+
+def _py(name, ts, dur, where=S):
+    return _x("python_function", name, ts, dur, where=where)
+
+
+def test_a_stack_profile_says_where_the_python_time_goes():
+    """Kept steps 0-10 and 10-20 ms (20-30 holds a prefill). Each kept step: verify (4 ms) calls prepare (1 ms),
+    which calls a built-in (0.2 ms, its address differs per call), then verify calls itself (1 ms, recursion);
+    the event loop spans every step and counts in neither figure; the prefill window's calls count nowhere."""
+    ev = _trace()
+    ev.append(_py("scheduler.py(10): event_loop", 0, 40000))
+    for t in (0, 10000, 20000):
+        ev += [_py("worker.py(5): verify", t + 1000, 4000), _py("worker.py(9): prepare", t + 1500, 1000),
+               _py(f"<built-in method item of Tensor object at 0x7f{t:04x}>", t + 1600, 200),
+               _py("worker.py(5): verify", t + 3000, 1000)]
+    ev.append(_py("worker.py(5): verify", 1000, 500, where={"pid": 1, "tid": 8}))  # another thread's call
+    r = T.reduce_events(ev)
+    assert r["steps"] == 2 and r["python_calls_per_step"] == 4.0
+    assert r["python_self_ms_per_step"] == {"worker.py(5): verify": 4.0 - 1.0, "worker.py(9): prepare": 0.8,
+                                            "<built-in method item of Tensor object>": 0.2}
+    assert r["python_inclusive_ms_per_step"] == {"worker.py(5): verify": 4.0, "worker.py(9): prepare": 1.0,
+                                                 "<built-in method item of Tensor object>": 0.2}
+
+
+def test_a_profile_without_stacks_has_no_python_figures():
+    assert not [k for k in T.reduce_events(_trace()) if k.startswith("python")]
+
+
+@pytest.mark.parametrize("spec", ["off@1:stacks", "off", "off@c1", "off@1:churn:bogus"])
+def test_run_bench_refuses_a_profile_spec_it_cannot_read(spec):
+    import subprocess
+    rb = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "gpu", "run_bench.py")
+    r = subprocess.run([sys.executable, rb, "--model", "/nonexistent", "--variant", "x", "--draft", "/d", "--out",
+                        "/nonexistent/out", "--policies", "off", "--profile", spec], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and f"--profile {spec!r}: expected POLICY@C" in r.stderr, r.stderr[-800:]

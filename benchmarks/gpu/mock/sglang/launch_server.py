@@ -42,6 +42,9 @@ class H(BaseHTTPRequestHandler):
                 ev += [{"ph": "X", "cat": "user_annotation", "name": "step[DECODE bs=4]", "ts": t, "dur": 1000, "pid": 1, "tid": 7},
                        {"ph": "X", "cat": "cuda_runtime", "name": "cudaGraphLaunch", "ts": t + 100, "dur": 5, "pid": 1, "tid": 7, "args": {"correlation": k}},
                        {"ph": "X", "cat": "kernel", "name": "decode_kernel", "ts": t + 500, "dur": 6000, "pid": 0, "tid": 9, "args": {"correlation": k}}]
+                if body.get("with_stack"):  # torch's Python tracer: a 3 ms call holding a 1 ms one, each step
+                    ev += [{"ph": "X", "cat": "python_function", "name": "scheduler.py(1): run_batch", "ts": t + 50, "dur": 3000, "pid": 1, "tid": 7},
+                           {"ph": "X", "cat": "python_function", "name": "worker.py(2): verify", "ts": t + 60, "dur": 1000, "pid": 1, "tid": 7}]
             path = os.path.join(body["output_dir"], f"{body.get('profile_id', 'p')}-TP-0.trace.json.gz")
             with gzip.open(path, "wt") as f:
                 json.dump({"traceEvents": ev}, f)
