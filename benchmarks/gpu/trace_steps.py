@@ -20,7 +20,7 @@ launched, and the window's GPU busy and idle time: what a prefill iteration cost
 A trace taken with stacks (SGLang's /start_profile with_stack: torch's Python tracer, `python_function` events)
 also says where the scheduler thread's Python time goes over the kept steps: per function, its self time (less the
 Python calls it made) and its inclusive time (its outermost call only, so recursion counts once), each per step,
-over the calls that start and end inside one kept step. The tracer slows every call it sees, so such a profile's
+over the calls that start and end inside one kept step; `prefill_windows` says the same per prefill window. The tracer slows every call it sees, so such a profile's
 step times are not the server's: read its shares, not its milliseconds.
 """
 from __future__ import annotations
@@ -197,6 +197,7 @@ def reduce_events(events: list[dict], label: str = "") -> dict[str, Any]:
                 busy = _union_ms([(g["ts"], min(g["ts"] + g["dur"], g1)) for g in gpu[i:j]])
                 pr.update(gpu_window_ms=round((g1 - g0) / 1000.0, 4), gpu_busy_ms=round(busy, 4),
                           gpu_idle_ms=round((g1 - g0) / 1000.0 - busy, 4))
+            pr["c0"], pr["c1"] = c0, c1
             pre_rows.append(pr)
             continue
         row: dict[str, Any] = {"bs": int(STEP_RE.match(target[k]["name"]).group(2) or 0), "cpu_window_ms": (c1 - c0) / 1000.0,
@@ -232,8 +233,12 @@ def reduce_events(events: list[dict], label: str = "") -> dict[str, Any]:
     res["prefill_windows"] = {"n": skipped, "cpu_window_ms_median": _med(pre_ms),
                               "share_of_wall": round(sum(pre_ms) / wall, 4) if wall > 0 else None,
                               "wall_ms": round(wall, 3)}
+    py = [e for e in X if e.get("cat") == PY_CAT and tkey(e) == sched]
     if pre_rows:
-        res["prefill_windows"].update(summarize_prefill_rows(pre_rows))
+        res["prefill_windows"].update(summarize_prefill_rows([{k: v for k, v in r.items() if k not in ("c0", "c1")}
+                                                              for r in pre_rows]))
+        if py:  # a profile with stacks: the prefill windows' Python time, per window
+            res["prefill_windows"].update(python_functions(py, sorted((r["c0"], r["c1"]) for r in pre_rows)))
     if not n:
         res["error"] = "no step without a prefill"
         return res
@@ -249,8 +254,7 @@ def reduce_events(events: list[dict], label: str = "") -> dict[str, Any]:
     res["cpu_ops_ms_per_step"] = {k: round(v / 1000.0 / n, 4) for k, v in by_op.most_common(15)}
     res["gpu_kernels_ms_per_step"] = {k: round(v / 1000.0 / n, 4) for k, v in by_kernel.most_common(12)}
     res["per_step_gpu_window_ms"] = [round(r.get("gpu_window_ms", 0.0), 3) for r in rows]
-    py = [e for e in X if e.get("cat") == PY_CAT and tkey(e) == sched]
-    if py:  # a profile with stacks
+    if py:  # a profile with stacks: the kept steps' Python time (the prefill windows' is above)
         res.update(python_functions(py, sorted((r["c0"], r["c1"]) for r in rows)))
     return res
 

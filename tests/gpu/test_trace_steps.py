@@ -136,6 +136,9 @@ def test_a_stack_profile_says_where_the_python_time_goes():
                                             "<built-in method item of Tensor object>": 0.2}
     assert r["python_inclusive_ms_per_step"] == {"worker.py(5): verify": 4.0, "worker.py(9): prepare": 1.0,
                                                  "<built-in method item of Tensor object>": 0.2}
+    pw = r["prefill_windows"]  # the window holding the prefill: the same calls, per window
+    assert pw["python_calls_per_step"] == 4.0 and pw["python_self_ms_per_step"]["worker.py(5): verify"] == 3.0
+    assert "rows" in pw and all("c0" not in row for row in pw["rows"])
 
 
 def test_a_profile_without_stacks_has_no_python_figures():
