@@ -18,7 +18,7 @@ Reads the run_bench rows of these policies (any call may hold any of them):
                                   (issue "cheaper speculative steps": `splitkv`; before 2026-12-02 the plugin's
                                   default was the stock kernel, since then the split-KV one)
   static:sN, threshold:5:s3, sglang-adaptive, specctl       (sweep and phase rows, named as the issue names them)
-and writes: step_costs (median of the per-round Decode-batch step medians, per concurrency), sweep, phase_runs,
+and writes (atomically; a rebuilt OUT.json keeps its "notes") step_costs (median of the per-round Decode-batch step medians, per concurrency), sweep, phase_runs,
 identity (the decode state vs no-spec, greedy), resync (threshold:5:s3 probes, with and without
 SGLANG_SPEC_SKIP_ZERO_STEP_DRAFT_EXTEND), and targets (each figure against the issue's bound).
 """
@@ -526,8 +526,14 @@ def main() -> None:
     if a.profiles:
         rec["path_profiles"] = write_profiles(benches, a.profiles, a.profile_name, a.call, a.borrow_static)
         print(json.dumps(rec["path_profiles"], indent=1))
-    with open(a.out, "w") as f:
+    if os.path.exists(a.out):  # a rebuilt record keeps the notes written into it
+        notes = json.load(open(a.out)).get("notes")
+        if notes:
+            rec["notes"] = notes
+    tmp = a.out + ".tmp"
+    with open(tmp, "w") as f:
         json.dump(rec, f, indent=1)
+    os.replace(tmp, a.out)
     print(json.dumps(rec["targets"], indent=1))
 
 

@@ -490,6 +490,24 @@ def test_a_call_whose_policies_share_a_step_cost_column_is_refused(tmp_path):
         sys.argv = sys_argv
 
 
+def test_a_rebuilt_record_keeps_its_notes_and_leaves_no_temporary_file(tmp_path):
+    bench = tmp_path / "bench.json"
+    bench.write_text(json.dumps({"runs": [{"policy": p, "concurrency": 1, "step_ms_rounds": [ms]}
+                                          for p, ms in (("off", 9.0), ("plugin-fixed:1:s3", 9.2))]}))
+    out = tmp_path / "out.json"
+    out.write_text(json.dumps({"notes": ["what the call showed"], "step_costs": "stale"}))
+    sys_argv = sys.argv
+    try:
+        sys.argv = ["offpath_results.py", str(out), str(bench)]
+        O.main()
+    finally:
+        sys.argv = sys_argv
+    rec = json.loads(out.read_text())
+    assert rec["notes"] == ["what the call showed"] and rec["step_costs"] != "stale"
+    assert [row["concurrency"] for row in rec["step_costs"]] == [1]
+    assert sorted(os.listdir(tmp_path)) == ["bench.json", "out.json"]
+
+
 def test_spread_tokens_is_a_fixed_sequence_around_the_cap():
     assert [B.spread_tokens(128, 0, k) for k in range(5)] == [128] * 5
     seq = [B.spread_tokens(128, 32, k) for k in range(400)]
