@@ -20,8 +20,9 @@ launched, and the window's GPU busy and idle time: what a prefill iteration cost
 A trace taken with stacks (SGLang's /start_profile with_stack: torch's Python tracer, `python_function` events)
 also says where the scheduler thread's Python time goes over the kept steps: per function, its self time (less the
 Python calls it made) and its inclusive time (its outermost call only, so recursion counts once), each per step,
-over the calls that start and end inside one kept step; `prefill_windows` says the same per prefill window. The tracer slows every call it sees, so such a profile's
-step times are not the server's: read its shares, not its milliseconds.
+over the calls that start and end inside one kept step; `prefill_windows` says the same per prefill window. The
+tracer slows every call it sees, so such a profile's step times are not the server's: read its shares, not its
+milliseconds.
 """
 from __future__ import annotations
 
@@ -102,8 +103,9 @@ def summarize_prefill_rows(pre_rows: list[dict]) -> dict[str, Any]:
 
 
 def python_functions(py: list[dict], windows: list[tuple[float, float]], top: int = 30) -> dict[str, Any]:
-    """Self and inclusive time per Python function (ms per kept step) of one thread's `python_function` events,
-    counting the calls that lie wholly inside one of `windows` (sorted (start, end) pairs, µs)."""
+    """Self and inclusive time per Python function (ms per window) of one thread's `python_function` events,
+    counting the calls that lie wholly inside one of `windows` (sorted (start, end) pairs, µs): the kept steps',
+    or the prefill windows'."""
     starts = [w[0] for w in windows]
 
     def inside(e: dict) -> bool:
@@ -200,8 +202,8 @@ def reduce_events(events: list[dict], label: str = "") -> dict[str, Any]:
             pr["c0"], pr["c1"] = c0, c1
             pre_rows.append(pr)
             continue
-        row: dict[str, Any] = {"bs": int(STEP_RE.match(target[k]["name"]).group(2) or 0), "cpu_window_ms": (c1 - c0) / 1000.0,
-                               "c0": c0, "c1": c1}
+        row: dict[str, Any] = {"bs": int(STEP_RE.match(target[k]["name"]).group(2) or 0),
+                               "cpu_window_ms": (c1 - c0) / 1000.0, "c0": c0, "c1": c1}
         a, b = bisect.bisect_left(rt_ts, c0), bisect.bisect_left(rt_ts, c1)
         calls = rt[a:b]
         row["sync_ms"] = sum(e["dur"] for e in calls if _is_sync(e["name"])) / 1000.0

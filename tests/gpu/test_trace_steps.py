@@ -122,7 +122,7 @@ def _py(name, ts, dur, where=S):
 def test_a_stack_profile_says_where_the_python_time_goes():
     """Kept steps 0-10 and 10-20 ms (20-30 holds a prefill). Each kept step: verify (4 ms) calls prepare (1 ms),
     which calls a built-in (0.2 ms, its address differs per call), then verify calls itself (1 ms, recursion);
-    the event loop spans every step and counts in neither figure; the prefill window's calls count nowhere."""
+    the event loop spans every step and counts in neither figure; the prefill window's calls count in its own."""
     ev = _trace()
     ev.append(_py("scheduler.py(10): event_loop", 0, 40000))
     for t in (0, 10000, 20000):
@@ -150,5 +150,6 @@ def test_run_bench_refuses_a_profile_spec_it_cannot_read(spec):
     import subprocess
     rb = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "gpu", "run_bench.py")
     r = subprocess.run([sys.executable, rb, "--model", "/nonexistent", "--variant", "x", "--draft", "/d", "--out",
-                        "/nonexistent/out", "--policies", "off", "--profile", spec], capture_output=True, text=True, timeout=120)
+                        "/nonexistent/out", "--policies", "off", "--profile", spec],
+                       capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and f"--profile {spec!r}: expected POLICY@C" in r.stderr, r.stderr[-800:]
