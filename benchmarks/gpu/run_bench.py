@@ -17,7 +17,7 @@ Step time per decode batch comes from SGLang's `Decode batch` log lines: 1000 * 
 accept_len / gen_throughput (ms); the static policies' medians at each swept batch size give the cost
 profile in the simulator format (specctl.profile/1).
 
-With --phase-set alternating the phases are ALT_PHASES (or those at --alt-concurrency): the prompts alternate
+With --phase-set alternating the phases are benchlib.alt_phases(--alt-concurrency): the prompts alternate
 between the short benchmark ones (~100-300 tokens) and retrieval-augmented ones of --long-prompt-tokens (a
 generated document, then the request; prompts.long_prompts), at concurrencies between the two spec->off
 crossovers; compare `specctl` with
@@ -68,9 +68,6 @@ PHASES = [  # duration_s, concurrency, mix
     {"duration_s": 20, "concurrency": 128, "mix": {"chat": 0.5, "code": 0.5}},
     {"duration_s": 20, "concurrency": 1, "mix": {"chat": 1.0}},
 ]
-# the prompts alternate between short and long contexts; the concurrencies (--alt-concurrency) lie between the two
-# crossovers (the H200 testbed's table flapped between s3 and off from batch 14 to 76 on such traffic)
-ALT_PHASES = B.alt_phases("32,48")
 T0 = time.time()
 
 
@@ -533,10 +530,12 @@ def main():
     ap.add_argument("--accept-tokens", type=int, default=320)
     ap.add_argument("--phase-scale", type=float, default=1.0, help="multiply phase durations")
     ap.add_argument("--phase-set", choices=("default", "alternating"), default="default",
-                    help="alternating: ALT_PHASES, short and --long-prompt-tokens prompts taking turns")
+                    help="alternating: short and --long-prompt-tokens prompts taking turns at --alt-concurrency")
     ap.add_argument("--alt-concurrency", default="32,48",
-                    help="--phase-set alternating: a short and a long phase at each of these concurrencies "
-                         "(benchlib.alt_phases; 8,16 for SGLang's stock verify on the H100 testbed)")
+                    help="--phase-set alternating: a short and a long phase at each of these concurrencies, "
+                         "between the two crossovers (benchlib.alt_phases; 32,48: the H200 testbed's table flapped "
+                         "between s3 and off from batch 14 to 76 on such traffic; 8,16 for SGLang's stock verify on "
+                         "the H100 testbed)")
     ap.add_argument("--long-prompt-tokens", type=int, default=6000, help="the long prompts of --phase-set alternating")
     ap.add_argument("--tokenizer", default=None, help="tokenizer dir (default: --model); 'simple' for CPU tests")
     ap.add_argument("--out", required=True)
