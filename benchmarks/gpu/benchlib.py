@@ -462,6 +462,20 @@ def steps_after_prefill(steps):
     return {k: {w: [len(v), round(st.median(v), 2)] for w, v in sorted(ws.items())} for k, ws in sorted(by.items())}
 
 
+def write_record(path, rec):
+    """A results record to `path`, atomically (a temporary file, then a rename); the "notes" of the record it
+    replaces are kept (they are written by hand into a record that its script rebuilds from the calls)."""
+    if os.path.exists(path):
+        with open(path) as f:
+            notes = json.load(f).get("notes")
+        if notes:
+            rec["notes"] = notes
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(rec, f, indent=1)
+    os.replace(tmp, path)
+
+
 def pct(xs, q):
     xs = sorted(xs)
     if not xs:

@@ -34,7 +34,7 @@ import statistics as st
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from benchlib import policy_flaps  # noqa: E402
+from benchlib import policy_flaps, write_record  # noqa: E402
 
 TARGET_OVER_NOCTX = 1.05
 BATCH_BINS = (1, 2, 4, 8, 16, 24, 32, 40, 48, 64, 96, 128, 192, 256)  # a step's batch size counts at the bin below
@@ -232,13 +232,7 @@ def main():
     if a.steps:
         rec["gpu"] = rec.get("gpu") or rec["ctx_steps"]["gpu"]
     rec["targets"] = targets(rec)
-    if os.path.exists(a.out):
-        notes = json.load(open(a.out)).get("notes")
-        if notes:
-            rec["notes"] = notes
-    tmp = a.out + ".tmp"
-    json.dump(rec, open(tmp, "w"), indent=1)
-    os.replace(tmp, a.out)
+    write_record(a.out, rec)
     print(json.dumps(rec["targets"], indent=1))
     for r in (rec.get("ctx_steps") or {}).get("spec_over_off", []):
         print(f"{r['policy']:10s} L={r['prompt_tokens']:6d} c={r['concurrency']:4d}  {r['over_off']}x the no-spec step")

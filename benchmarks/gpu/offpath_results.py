@@ -18,9 +18,10 @@ Reads the run_bench rows of these policies (any call may hold any of them):
                                   (issue "cheaper speculative steps": `splitkv`; before 2026-12-02 the plugin's
                                   default was the stock kernel, since then the split-KV one)
   static:sN, threshold:5:s3, sglang-adaptive, specctl       (sweep and phase rows, named as the issue names them)
-and writes (atomically; a rebuilt OUT.json keeps its "notes") step_costs (median of the per-round Decode-batch step medians, per concurrency), sweep, phase_runs,
-identity (the decode state vs no-spec, greedy), resync (threshold:5:s3 probes, with and without
-SGLANG_SPEC_SKIP_ZERO_STEP_DRAFT_EXTEND), and targets (each figure against the issue's bound).
+and writes (benchlib.write_record: atomically, keeping a rebuilt OUT.json's "notes") step_costs (median of the
+per-round Decode-batch step medians, per concurrency), sweep, phase_runs, identity (the decode state vs no-spec,
+greedy), resync (threshold:5:s3 probes, with and without SGLANG_SPEC_SKIP_ZERO_STEP_DRAFT_EXTEND), and targets
+(each figure against the issue's bound).
 """
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from benchlib import (iteration_gaps, logit_report, parse_decode_lines, parse_policy, path_profiles,  # noqa: E402
-                      prefill_batches, steps_after_prefill)
+                      prefill_batches, steps_after_prefill, write_record)
 
 NO_SPEC_POLICY, DECODE_STATE, TRIVIAL = "off", "plugin-fixed:1:s3", "plugin-fixed:1:s3+verify"
 SKIP_DE = "+skipde"  # the decode state without the steps-0 draft extend (SGLANG_SPEC_SKIP_ZERO_STEP_DRAFT_EXTEND=1)
@@ -526,14 +527,7 @@ def main() -> None:
     if a.profiles:
         rec["path_profiles"] = write_profiles(benches, a.profiles, a.profile_name, a.call, a.borrow_static)
         print(json.dumps(rec["path_profiles"], indent=1))
-    if os.path.exists(a.out):  # a rebuilt record keeps the notes written into it
-        notes = json.load(open(a.out)).get("notes")
-        if notes:
-            rec["notes"] = notes
-    tmp = a.out + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(rec, f, indent=1)
-    os.replace(tmp, a.out)
+    write_record(a.out, rec)
     print(json.dumps(rec["targets"], indent=1))
 
 
