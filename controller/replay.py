@@ -87,6 +87,25 @@ def replay_to(path: str | Path, endpoint: str, *, speed: Optional[float] = None,
         sock.close()  # keeps LINGER so queued frames are delivered
 
 
+def recording_frames(paths: Iterable[str | Path]) -> list[tuple[float, bytes]]:
+    """The frames of one or more recordings, in the order given, as (ts, frame) for `replay_into`. A line
+    whose `ts` cannot be read carries the previous line's forward (the daemon counts and drops a malformed
+    one as it would live); blank lines are left out."""
+    frames: list[tuple[float, bytes]] = []
+    ts = 0.0
+    for path in paths:
+        for _, line in iter_lines(path):
+            line = line.strip()
+            if not line:
+                continue
+            try:
+                ts = float(json.loads(line).get("ts", ts))
+            except (ValueError, AttributeError, TypeError, RecursionError):
+                pass
+            frames.append((ts, line))
+    return frames
+
+
 def replay_into(frames: Iterable[tuple[float, bytes]], settings: "ServiceSettings",
                 refit_every_s: float = 1.0) -> "ControllerService":
     """A recording's frames, (ts, frame) in order, into an in-process ControllerService on their own

@@ -100,28 +100,16 @@ DAEMON_ARGS = {"--no-ctx-axis": ("ctx_axis", False)}  # run_bench's daemon argum
 def replayed_policy(folder: str, daemon_args: list[str] | None) -> dict:
     """A server's telemetry (telemetry/*.jsonl[.gz], in name order) through this checkout's daemon: its last policy."""
     import glob
-    import gzip
 
     from specctl.controller import wire
-    from specctl.controller.replay import replay_into
+    from specctl.controller.replay import recording_frames, replay_into
     from specctl.controller.service import ServiceSettings
 
     unknown = [a for a in daemon_args or [] if a not in DAEMON_ARGS]
     if unknown:
         raise SystemExit(f"ctx_results --replay: no ServiceSettings for the daemon arguments {unknown}")
     settings = ServiceSettings(**dict(DAEMON_ARGS[a] for a in daemon_args or []))
-    frames, ts = [], 0.0
-    for path in sorted(glob.glob(os.path.join(folder, "telemetry", "*.jsonl*"))):
-        with (gzip.open if path.endswith(".gz") else open)(path, "rb") as f:
-            for line in f:
-                line = line.strip()
-                if not line:
-                    continue
-                try:
-                    ts = float(json.loads(line).get("ts", ts))
-                except (ValueError, AttributeError):
-                    pass  # the daemon counts and drops it as it would
-                frames.append((ts, line))
+    frames = recording_frames(sorted(glob.glob(os.path.join(folder, "telemetry", "*.jsonl*"))))
     obj = wire.to_obj(replay_into(frames, settings).policy)
     return obj.get("policy", obj)
 

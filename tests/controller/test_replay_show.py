@@ -1,3 +1,4 @@
+import gzip
 import json
 import subprocess
 import sys
@@ -7,7 +8,7 @@ import pytest
 import zmq
 
 from specctl.controller import show, wire
-from specctl.controller.replay import replay
+from specctl.controller.replay import recording_frames, replay
 from specctl.controller.service import ControllerService, ServiceSettings
 from specctl.training.synth import generate, truth_with_crossover
 
@@ -135,3 +136,15 @@ def test_serve_configs_option_forms(value, expect):
     from specctl.controller.cli import _parse_configs
 
     assert _parse_configs(None, None, value) == expect
+
+
+def test_recording_frames_reads_plain_and_gzip_files_in_order_carrying_ts_over_bad_lines(tmp_path):
+    a = tmp_path / "a.jsonl"
+    a.write_text('{"ts": 1.5, "kind": "step"}\n\n  \nnot json\n[1, 2]\n{"ts": null}\r\n')
+    b = tmp_path / "b.jsonl.gz"
+    with gzip.open(b, "wt") as f:
+        f.write('{"ts": 7, "kind": "step"}\n{"kind": "hello"}\n')
+    frames = recording_frames([a, str(b)])
+    assert frames == [(1.5, b'{"ts": 1.5, "kind": "step"}'), (1.5, b"not json"), (1.5, b"[1, 2]"),
+                      (1.5, b'{"ts": null}'), (7.0, b'{"ts": 7, "kind": "step"}'), (7.0, b'{"kind": "hello"}')]
+    assert recording_frames([]) == []
