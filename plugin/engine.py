@@ -33,7 +33,7 @@ log = logging.getLogger("specctl.plugin")
 
 MODES = ("online", "fixed", "file", "off")
 SWITCH_ON, SWITCH_OFF = ("on", "1", "true"), ("off", "0", "false")  # how a SPECCTL_ switch may be spelled
-FI_VERIFY_HOST_PLAN_MODES = ("off", "on", "check")
+CHECK_MODES = ("off", "on", "check")  # SPECCTL_FI_VERIFY_HOST_PLAN and SPECCTL_HOST_SEQ_LENS (with check:N)
 ENV_PREFIX = "SPECCTL_"
 
 
@@ -117,12 +117,12 @@ class PluginSettings:
             raise ValueError(f"SPECCTL_STALE_AFTER_S must be > 0, got {self.stale_after_s}")
         if self.sync_every < 1:
             raise ValueError(f"SPECCTL_SYNC_EVERY must be >= 1, got {self.sync_every}")
-        if self.fi_verify_host_plan not in FI_VERIFY_HOST_PLAN_MODES:
+        if self.fi_verify_host_plan not in CHECK_MODES:
             raise ValueError(f"SPECCTL_FI_VERIFY_HOST_PLAN must be one of on, off, check, check:N, "
                              f"not {self.fi_verify_host_plan!r}")
         if self.fi_verify_check_steps < 1:
             raise ValueError(f"SPECCTL_FI_VERIFY_HOST_PLAN=check:N needs N >= 1, got {self.fi_verify_check_steps}")
-        if self.host_seq_lens not in FI_VERIFY_HOST_PLAN_MODES:
+        if self.host_seq_lens not in CHECK_MODES:
             raise ValueError(f"SPECCTL_HOST_SEQ_LENS must be one of on, off, check, check:N, not {self.host_seq_lens!r}")
         if self.host_seq_lens_check_steps < 1:
             raise ValueError(f"SPECCTL_HOST_SEQ_LENS=check:N needs N >= 1, got {self.host_seq_lens_check_steps}")

@@ -39,9 +39,10 @@ from typing import Any, Callable, Optional
 import numpy as np
 import torch
 
+from .engine import CHECK_MODES
+
 log = logging.getLogger("specctl")
 
-MODES = ("off", "on", "check")
 DEFAULT_CHECK_STEPS = 32
 AUDIT_EVERY = 256  # after the check, one resolve in this many still pulls and compares (one wait per 256 steps)
 
@@ -51,8 +52,8 @@ class HostSeqLens:
     decode step's bookkeeping is a few vectorised numpy operations), and its use by the next resolve."""
 
     def __init__(self, mode: str, check_steps: int = DEFAULT_CHECK_STEPS):
-        if mode not in MODES:
-            raise ValueError(f"host sequence lengths: mode must be one of {', '.join(MODES)}, not {mode!r}")
+        if mode not in CHECK_MODES:
+            raise ValueError(f"host sequence lengths: mode must be one of {', '.join(CHECK_MODES)}, not {mode!r}")
         self.mode = mode
         self.check_left = check_steps if mode == "check" else 0  # resolves still to compare
         self.check_prefill_left = check_steps if mode == "check" else 0  # ... with rows a prefill published
