@@ -463,17 +463,18 @@ def steps_after_prefill(steps):
 
 
 def write_record(path, rec):
-    """A results record to `path`, atomically (a temporary file, then a rename); the "notes" of the record it
-    replaces are kept (they are written by hand into a record that its script rebuilds from the calls)."""
+    """A results record to `path`, atomically (controller.state.atomic_write, no .prev kept); the "notes" of the
+    record it replaces are kept (they are written by hand into a record that its script rebuilds from the calls)."""
+    from pathlib import Path
+
+    from specctl.controller.state import atomic_write
+
     if os.path.exists(path):
         with open(path) as f:
             notes = json.load(f).get("notes")
         if notes:
             rec["notes"] = notes
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(rec, f, indent=1)
-    os.replace(tmp, path)
+    atomic_write(Path(path), json.dumps(rec, indent=1).encode(), keep_prev=False)
 
 
 def pct(xs, q):
