@@ -13,13 +13,12 @@ context than at 192, and the bands below 128 tokens speculated up to batch 80-14
 from __future__ import annotations
 
 import argparse
-import gzip
 import json
 import sys
 
 import numpy as np
 
-from specctl.controller.replay import replay_into
+from specctl.controller.replay import recording_frames, replay_into
 from specctl.controller.service import ServiceSettings
 
 
@@ -44,13 +43,8 @@ def main(argv: list[str]) -> int:
     ap.add_argument("recording")
     ap.add_argument("--json")
     a = ap.parse_args(argv)
-    lines = [ln for ln in gzip.open(a.recording, "rt") if ln.strip()] if a.recording.endswith(".gz") \
-        else [ln for ln in open(a.recording) if ln.strip()]
-    recs = [json.loads(ln) for ln in lines]
-    frames, t = [], 0.0
-    for ln, r in zip(lines, recs):
-        t = float(r.get("ts", t))
-        frames.append((t, ln.strip().encode()))
+    frames = recording_frames([a.recording])
+    recs = [json.loads(frame) for _, frame in frames]
     svc = replay_into(frames, ServiceSettings())
     steps = [r for r in recs if r.get("kind") == "step"]
     configs = sorted({tuple(r["config"].values()) for r in steps})
