@@ -24,8 +24,9 @@ TEST_JOBS ?= 4
 test: setup
 	PY=$(PY) TEST_JOBS=$(TEST_JOBS) SGLANG_VERSIONS="$(SGLANG_VERSIONS)" bash scripts/test_all.sh
 
+# the quick tests of this interpreter (no sglang environments)
 test-fast: setup
-	$(PY) -m pytest -q -m "not slow"
+	$(PY) -m pytest -q -m "not slow and not sglang and not sglang_sources"
 
 bench: setup
 	$(PY) benchmarks/control_loop.py all

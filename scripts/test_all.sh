@@ -4,8 +4,9 @@
 # on 2 cores), so it runs on 4 xdist workers, and beside it: the sglang CPU environments are built
 # (they install specctl editable too, but no test builds in the source tree: test_packaging copies
 # it), then the tests that read those environments' sglang sources and the per-release passes run.
-# Each pass runs the tests marked `sglang` (the rest of tests/plugin does not touch sglang and runs
-# in the suite). Their output follows the suite's.
+# Each pass runs the tests marked `sglang`; the suite leaves them out (in its interpreter they could
+# only skip) and runs everything else. Their output follows the suite's; the last line adds up every
+# pass: `N passed, M skipped` (and any failed / errors), and the exit status is non-zero if any part failed.
 # Usage: PY=.venv/bin/python TEST_JOBS=4 SGLANG_VERSIONS="0.5.17 0.5.23" scripts/test_all.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -31,18 +32,51 @@ sglang_side() {
 
 sglang_side &
 side=$!
-"$PY" -m pytest -q -n "$JOBS" -m "not sglang_sources"
-suite=$?
+color=(); [ -t 1 ] && color=(--color=yes)  # the suite's output goes through tee
+"$PY" -m pytest -q ${color[@]+"${color[@]}"} -n "$JOBS" -m "not sglang_sources and not sglang" 2>&1 | tee "$L/suite.log"
+suite=${PIPESTATUS[0]}
 wait "$side"
 side_rc=$?
+# pytest's last summary line of each pass ("12 passed, 3 skipped, 40 deselected in 9.1s"), added up;
+# a pass that printed none (it did not run, or crashed) is named
+total() {
+    local f line n word passed=0 skipped=0 failed=0 errors=0 missing=()
+    for f in "$@"; do
+        line=$([ -f "$f" ] && sed 's/\x1b\[[0-9;]*m//g' "$f" \
+            | grep -E '^(=+ )?[0-9]+ (passed|failed|skipped|errors?|deselected|xfailed|xpassed)' | tail -n 1)
+        [ -n "$line" ] || { missing+=("$(basename "$f" .log)"); continue; }
+        while read -r n word; do
+            case "$word" in
+                passed) passed=$((passed + n)) ;;
+                skipped) skipped=$((skipped + n)) ;;
+                failed) failed=$((failed + n)) ;;
+                error|errors) errors=$((errors + n)) ;;
+            esac
+        done < <(grep -oE '[0-9]+ [a-z]+' <<< "$line")
+    done
+    echo "== the whole run: the suite, the sglang-source tests, the plugin on sglang ${VERSIONS[*]}"
+    [ ${#missing[@]} -eq 0 ] || echo "no pytest summary from: ${missing[*]}"
+    local out="$passed passed, $skipped skipped"
+    [ "$failed" -eq 0 ] || out="$out, $failed failed"
+    [ "$errors" -eq 0 ] || out="$out, $errors error$([ "$errors" -eq 1 ] || echo s)"
+    echo "$out"
+}
+
 echo "== sglang CPU environments (scripts/setup_sglang_cpu.sh, beside the suite)"
 cat "$L/setup.log"
-[ "$side_rc" -eq 1 ] && { echo "scripts/setup_sglang_cpu.sh failed"; exit 1; }
-echo "== tests that read the sglang sources of those environments"
-cat "$L/sources.log"
-for v in "${VERSIONS[@]}"; do
-    echo "== plugin tests on sglang $v"
-    cat "$L/plugin-$v.log"
-done
+logs=("$L/suite.log")
+if [ "$side_rc" -eq 1 ]; then
+    echo "scripts/setup_sglang_cpu.sh failed: the sglang passes did not run"
+else
+    echo "== tests that read the sglang sources of those environments"
+    cat "$L/sources.log"
+    logs+=("$L/sources.log")
+    for v in "${VERSIONS[@]}"; do
+        echo "== plugin tests on sglang $v"
+        cat "$L/plugin-$v.log"
+        logs+=("$L/plugin-$v.log")
+    done
+fi
+total "${logs[@]}"
 [ "$suite" -eq 0 ] || exit "$suite"
 exit "$side_rc"

@@ -22,8 +22,8 @@ STANDIN = "specctl_sglang_standin"
 
 def _sglang_problem() -> str | None:
     if importlib.util.find_spec("sglang") is None:
-        return ("sglang is not installed in this interpreter: run `bash scripts/setup_sglang_cpu.sh`, "
-                "then `.cache/sglang-<version>/bin/python -m pytest tests/plugin`")
+        return ("needs the sglang modules, absent from this interpreter: `make test` runs it under each "
+                "release's CPU environment (.cache/sglang-<version>/bin/python -m pytest -m sglang tests/plugin)")
     try:
         import sglang.srt.plugins.hook_registry  # noqa: F401
         import sglang.srt.speculative.adaptive_runtime_state  # noqa: F401

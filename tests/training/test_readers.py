@@ -389,7 +389,7 @@ def test_lines_from_sglangs_own_reporter_code(tmp_path, version):
     real = sglang_real
     src = real.find_sources(version)
     if src is None:
-        pytest.skip(f"no sglang {version} sources (run scripts/setup_sglang_cpu.sh)")
+        pytest.skip(f"needs the sources of sglang {version} under .cache/ (`make test` installs them first)")
     g = sglang_gen
     rep_ = real.Reporter(src, spec_steps=3, draft_tokens=4, interval=10)
     pre = "[2026-11-29 12:00:00 TP0]"
@@ -424,7 +424,7 @@ def test_the_fixture_generator_writes_what_sglang_writes(version):
     real = sglang_real
     src = real.find_sources(version)
     if src is None:
-        pytest.skip(f"no sglang {version} sources (run scripts/setup_sglang_cpu.sh)")
+        pytest.skip(f"needs the sources of sglang {version} under .cache/ (`make test` installs them first)")
     g = sglang_gen
     r = real.Reporter(src, spec_steps=3, draft_tokens=4, interval=5)
     got = r.decode_steps(6, [4, 5, 6, 7, 8], 9.0, tokens_in_use=4321, usage=0.37)
