@@ -25,7 +25,7 @@ def test_wheel_contains_only_the_specctl_namespace(tmp_path):
     out = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
                           "-q", "-w", str(tmp_path), str(src)], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
-    (whl,) = tmp_path.glob("specctl-*.whl")
+    (whl,) = tmp_path.glob("sglang_specctl-*.whl")  # the distribution; the package stays `specctl`
     names = zipfile.ZipFile(whl).namelist()
     tops = {n.split("/")[0] for n in names}
     assert tops == {"specctl", next(t for t in tops if t.endswith(".dist-info"))}, tops
@@ -44,6 +44,7 @@ def test_wheel_contains_only_the_specctl_namespace(tmp_path):
     assert "[sglang.srt.plugins]" in eps and "specctl = specctl.plugin:register" in eps
     assert "specctl = specctl.controller.cli:main" in eps
     meta = zipfile.ZipFile(whl).read(f"{dist}/METADATA").decode()
+    assert "Name: sglang-specctl" in meta.splitlines()  # `specctl` on PyPI is another project
     requires = [l for l in meta.splitlines() if l.startswith("Requires-Dist:") and "extra ==" not in l]
     assert not any(("sglang" in r or "torch" in r) for r in requires), requires
 
