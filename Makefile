@@ -10,6 +10,8 @@ setup: $(VENV)/.specctl-stamp
 $(VENV)/.specctl-stamp: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --disable-pip-version-check -q --upgrade pip
+	@# a .venv from before the distribution was named sglang-specctl holds `specctl`: one copy of the plugin only
+	-$(PY) -m pip uninstall --disable-pip-version-check -q -y specctl 2>/dev/null
 	$(PY) -m pip install --disable-pip-version-check -q -e '.[test]'
 	touch $@
 
