@@ -328,22 +328,32 @@ def status_rep(ctx: zmq.Context, endpoint: str, *, keys: Optional[CurveKeys] = N
 
 def status_request(ctx: zmq.Context, endpoint: str, request: dict[str, Any], *,
                    timeout_ms: int = 2000, keys: Optional[CurveKeys] = None) -> dict[str, Any]:
-    """One REQ round trip; raises TransportError on timeout or a non-JSON reply."""
+    """One REQ round trip. Every way it can fail (no peer, a refused handshake, a timeout on the
+    send or the receive, a reply that is not a JSON object) raises TransportError, never zmq's own."""
+    no_answer = f"no answer from {endpoint} within {timeout_ms} ms (is `specctl serve` running?)"
     sock = ctx.socket(zmq.REQ)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.RCVTIMEO, timeout_ms)
     sock.setsockopt(zmq.SNDTIMEO, timeout_ms)
+    sock.setsockopt(zmq.MAXMSGSIZE, 16 * 1024 * 1024)
     try:
         _connect(sock, endpoint, keys)
-        sock.send(json.dumps(request).encode())
         try:
+            # a REQ send blocks while it has no usable connection: a peer that is absent, or one
+            # whose handshake refused us and tore the connection down before this line ran
+            sock.send(json.dumps(request).encode())
             reply = sock.recv()
         except zmq.Again:
-            raise TransportError(f"no answer from {endpoint} within {timeout_ms} ms (is `specctl serve` running?)") from None
+            raise TransportError(no_answer) from None
+        except zmq.ZMQError as e:
+            raise TransportError(f"{endpoint}: {e}") from None
         try:
-            return json.loads(reply)
-        except ValueError:
+            obj = json.loads(reply)
+        except (ValueError, RecursionError):
             raise TransportError(f"{endpoint} answered something that is not JSON") from None
+        if not isinstance(obj, dict):
+            raise TransportError(f"{endpoint} answered JSON that is not an object")
+        return obj
     finally:
         sock.close(linger=0)
 
