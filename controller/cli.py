@@ -281,6 +281,67 @@ def replay(file: str, endpoint: Optional[str], speed: Optional[float]) -> None:
         sys.exit(1)
 
 
+# --------------------------------------------------------------------------- doctor
+
+
+@main.command()
+@click.option("--endpoint", help="A daemon's status endpoint to ask (default: ipc in the runtime dir; "
+                                 "asked unless only --log is given).")
+@click.option("--log", "logs", multiple=True, type=click.Path(exists=True, dir_okay=False),
+              help="An SGLang server log to read (repeatable: one per server, or per rank).")
+@click.option("--server", help="Server name for log lines that do not say it (plugins without the start-up "
+                               "line). Default: the log file's name.")
+@click.option("--stale-after", default=30.0, show_default=True, type=click.FloatRange(min=0.1),
+              help="A server silent this many seconds (no telemetry at the daemon) is a problem.")
+@click.option("--timeout", "timeout_s", default=3.0, show_default=True, type=click.FloatRange(min=0.1),
+              help="Seconds to wait for the daemon's answer.")
+@click.option("--rules", is_flag=True, help="Print what counts as a problem (exit 1) and what as a warning, and exit.")
+def doctor(endpoint: Optional[str], logs: tuple[str, ...], server: Optional[str], stale_after: float,
+           timeout_s: float, rules: bool) -> None:
+    """Is specctl working? Per server and TP rank: whether the plugin loaded and its hooks took
+    effect, the off path and patches in force (or off, and why), the policy version and its age,
+    whether the fixed-threshold fallback is in force (and why), and telemetry rate and drops.
+    Exits 1 when something is wrong (see --rules)."""
+    from . import doctor as dr
+
+    if rules:
+        click.echo(dr.RULES)
+        return
+    env = _env()
+    sections: list[tuple[str, list[str]]] = []
+    findings: list[dr.Finding] = []
+    reply = None
+    if endpoint is not None or not logs:
+        ep = endpoint or _settings.default_endpoints(env)["status"]
+        import zmq
+
+        try:
+            reply = transport.status_request(zmq.Context.instance(), ep, {"cmd": "status"},
+                                             timeout_ms=int(timeout_s * 1000), keys=_client_keys(env))
+            if "error" in reply:
+                raise transport.TransportError(f"{ep} answered an error: {reply['error']}")
+            body, found = dr.check_status(reply, ep, stale_after)
+            sections.append((body[0], body[1:]))
+            findings += found
+        except transport.TransportError as e:
+            reply = None
+            sections.append((f"daemon {ep}: no answer", []))
+            findings.append(dr.Finding(dr.PROBLEM, ep, str(e)))
+    reports = []
+    for path in logs:
+        rep = dr.read_log(path, server)
+        reports.append(rep)
+        body, found = dr.check_log(rep)
+        span = (f", {rep.first_ts:%Y-%m-%d %H:%M:%S} to {rep.last_ts:%H:%M:%S}"
+                if rep.first_ts and rep.last_ts else "")
+        sections.append((f"log {path} ({rep.num_lines} lines{span}):", body))
+        findings += found
+    findings += dr.compare(reply, reports)
+    click.echo(dr.render(sections, findings))
+    if any(f.level == dr.PROBLEM for f in findings):
+        sys.exit(1)
+
+
 # --------------------------------------------------------------------------- keys
 
 

@@ -304,6 +304,7 @@ def _secure_client(sock: zmq.Socket, keys: Optional[CurveKeys]) -> None:
     if keys is None:
         return
     if keys.server_public is None:
+        sock.close(linger=0)
         raise TransportError("a CURVE client needs the server's public key")
     sock.curve_secretkey = keys.secret
     sock.curve_publickey = keys.public
@@ -315,7 +316,11 @@ def _bind(sock: zmq.Socket, endpoint: str, keys: Optional[CurveKeys], insecure: 
     if why:
         sock.close(linger=0)
         raise TransportError(why)
-    _secure_server(sock, keys)
+    try:
+        _secure_server(sock, keys)
+    except zmq.ZMQError as e:
+        sock.close(linger=0)
+        raise TransportError(f"cannot bind {endpoint}: the CURVE server key is unusable ({e})") from None
     try:
         _prepare_ipc(endpoint)
     except (TransportError, OSError) as e:
@@ -329,8 +334,8 @@ def _bind(sock: zmq.Socket, endpoint: str, keys: Optional[CurveKeys], insecure: 
 
 
 def _connect(sock: zmq.Socket, endpoint: str, keys: Optional[CurveKeys]) -> None:
-    _secure_client(sock, keys)
     try:
+        _secure_client(sock, keys)
         sock.connect(endpoint)
     except zmq.ZMQError as e:
         sock.close(linger=0)
