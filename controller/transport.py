@@ -176,8 +176,21 @@ def start_authenticator(ctx: zmq.Context, keys: Optional[CurveKeys]) -> Optional
         return None
     from zmq.auth.thread import ThreadAuthenticator
 
-    auth = ThreadAuthenticator(ctx, log=logging.getLogger("specctl.zap"))
-    auth.start()
+    deadline = time.monotonic() + 2.0
+    while True:
+        auth = ThreadAuthenticator(ctx, log=logging.getLogger("specctl.zap"))
+        try:
+            auth.start()
+            break
+        except zmq.ZMQError as e:
+            if auth.zap_socket is not None:
+                auth.zap_socket.close(linger=0)
+            # a handler stopped a moment ago (a daemon closed in this context) releases its inproc
+            # endpoint asynchronously; anything else, or a live handler, is an error
+            if e.errno != zmq.EADDRINUSE or time.monotonic() > deadline:
+                raise TransportError(f"cannot start the CURVE authenticator: {e} "
+                                     "(one daemon with keys per ZeroMQ context)") from None
+            time.sleep(0.01)
     auth.allow_list = ClientAllowList(keys.allowed_clients)
     auth.configure_curve_callback(domain="*", credentials_provider=auth.allow_list)
     return auth
