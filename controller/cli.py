@@ -122,6 +122,14 @@ def serve(telemetry, publish, status_ep, state_dir, refit_interval, heartbeat, s
           record, record_max_mb, curve_secret_key, curve_allowed_dir, insecure,
           ctx_axis, shed_when_behind) -> None:
     """Run the sidecar daemon: ingest telemetry, fit, publish the policy."""
+    import signal
+
+    def _exit(signum: int, frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    # until the loop runs (it stops on SIGTERM by itself): a SIGTERM during start-up unwinds, so
+    # that what was already claimed (state dir lock, sockets) is given back
+    signal.signal(signal.SIGTERM, _exit)
     from .daemon import Daemon, Endpoints, serve_forever
     from .metrics import Metrics
     from .service import ControllerService, ServiceSettings
@@ -147,7 +155,7 @@ def serve(telemetry, publish, status_ep, state_dir, refit_interval, heartbeat, s
         try:
             init = wire.decode_policy(Path(init_policy).read_bytes())
         except OSError as e:
-            raise click.BadParameter(oserror_line(e), param_hint="--init-policy") from None
+            raise click.BadParameter(f"{init_policy}: {e.strerror or e}", param_hint="--init-policy") from None
         except wire.WireError as e:
             raise click.BadParameter(f"{init_policy}: not a policy file: {e}", param_hint="--init-policy") from None
     keys = None
