@@ -41,8 +41,8 @@ def sglang_args(configs: str, initial_steps, algorithm, config_path, server_id, 
                 fallback_threshold, fallback_config, plain_decode, as_json) -> None:
     """Print the --speculative-adaptive-config JSON and the launch flags for SGLang.
 
-    The runtime states built are --configs plus what the plugin cannot run without, each said on
-    stderr: off (the fallback's plain decode), the --fallback-config, and a chain when --configs
+    The runtime states built are --configs plus what the plugin cannot run without, each said in
+    a comment line (with --json: under "notes"): off (the fallback's plain decode), the --fallback-config, and a chain when --configs
     holds only trees (SGLang launches adaptive speculation as a chain)."""
     if plugin_mode and old_mode and plugin_mode != old_mode:
         raise click.UsageError(f"--plugin-mode {plugin_mode} and --mode {old_mode} disagree (--mode is its older name)")
@@ -55,12 +55,11 @@ def sglang_args(configs: str, initial_steps, algorithm, config_path, server_id, 
                                  plain_decode=plain_decode)
     except ValueError as e:
         raise click.UsageError(str(e)) from None
-    for note in added_states(cands, args.adaptive_config, fallback_config):
-        click.echo(f"note: {note}", err=True)
+    notes = added_states(cands, args.adaptive_config, fallback_config)
     if as_json:
-        click.echo(json.dumps(args.to_obj(), indent=2))
+        click.echo(json.dumps({**args.to_obj(), "notes": notes}, indent=2))
     else:
-        click.echo(args.shell(), nl=False)
+        click.echo("".join(f"# {n}\n" for n in notes) + args.shell(), nl=False)
 
 
 def added_states(asked: list[tuple[int, int, int]], config: dict, fallback: tuple[int, int, int]) -> list[str]:

@@ -411,7 +411,7 @@ def check_status(reply: dict[str, Any], endpoint: str, stale_after_s: float) -> 
             f"{rates[name]:.1f} records/s" if name in rates else "rate: measuring")
         offs = s.get("off_paths") or {}
         off = ", ".join(f"{k} {n}" for k, n in sorted(offs.items())) or "none yet"
-        out.append(f"  server {name}: {s.get('records')} records from rank(s) {s.get('ranks')}, {rate}, "
+        out.append(f"  server {name}: {s.get('records')} records (sent by TP rank {', '.join(map(str, s.get('ranks') or []))}), {rate}, "
                    f"last {ago:.1f} s ago; steps with speculation off by path: {off}")
         if ago > stale_after_s:
             found.append(Finding(PROBLEM, f"{endpoint}: {name}", f"no telemetry for {_duration(ago)} "

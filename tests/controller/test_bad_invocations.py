@@ -156,3 +156,18 @@ def test_every_option_has_help_and_the_config_options_share_one_syntax():
         for part in path:
             cmd = cmd.commands[part]
         assert any("--configs" in p.opts for p in cmd.params), path
+
+
+def test_sglang_args_says_which_runtime_states_it_adds_and_why():
+    res = subprocess.run([*CLI, "sglang-args", "--configs", "off,s9", "--json"], capture_output=True, text=True,
+                         timeout=120)
+    assert res.returncode == 0, res.stderr
+    import json
+
+    obj = json.loads(res.stdout)
+    assert obj["adaptive_config"]["1"]["candidate_steps"] == [0, 3, 9]  # s3 is the default fallback's
+    assert obj["notes"] == ["added s3 to --configs: it is --fallback-config (s3), which needs a runtime state; "
+                            "pass one of --configs as --fallback-config to avoid it"]
+    res = subprocess.run([*CLI, "sglang-args", "--configs", "off,s9", "--fallback-config", "s9", "--plugin-mode",
+                          "fixed"], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0 and "# added" not in res.stdout and "SPECCTL_MODE=fixed" in res.stdout, res.stdout
