@@ -7,7 +7,8 @@
           with NOBLOCK, keeps newest                         (re-sent as a heartbeat)
     REQ   connect, RCVTIMEO, one shot -->  REP   bind      status: {"cmd": ...} -> JSON reply
 
-Endpoints default to `ipc://` sockets inside a 0700 runtime directory, or `tcp://127.0.0.1`.
+Endpoints default to `ipc://` sockets inside a 0700 runtime directory, or `tcp://127.0.0.1`; a
+daemon holds a pid lock beside each ipc socket file (NAME.sock.lock) and removes both on exit.
 A tcp endpoint on any other interface is refused unless CURVE keys and a client allow-list are
 given (or `insecure`). With keys, every daemon socket runs CURVE and a ZAP handler
 (`start_authenticator`, owned by the daemon) admits only the allowed client public keys.
