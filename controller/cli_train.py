@@ -10,25 +10,9 @@ from typing import Optional
 import click
 
 from . import wire
+from .cli_options import CONFIGS_HELP, configs_callback
 
 PROGRESS_MIN_BYTES = 16 * 1024 * 1024  # smaller inputs read in a blink: no bar
-
-
-def _configs(ctx: click.Context, param: click.Parameter, value: Optional[str]):
-    """'off s1 s3', 'off;s1;s3' or 'off,s1,s3'; a 'steps,topk,draft' triple needs ';' or spaces
-    between configurations."""
-    if not value:
-        return None
-    if " " in value.strip() or ";" in value:
-        items = value.replace(";", " ").split()
-    elif all(not x.strip().isdigit() for x in value.split(",")):
-        items = value.split(",")
-    else:
-        items = [value]
-    try:
-        return tuple(wire.parse_config(v).key for v in items if v.strip())
-    except ValueError as e:
-        raise click.BadParameter(str(e)) from None
 
 
 @click.command("train")
@@ -38,9 +22,9 @@ def _configs(ctx: click.Context, param: click.Parameter, value: Optional[str]):
 @click.option("--plot", type=click.Path(dir_okay=False), help="Draw the fit to this PNG (needs matplotlib).")
 @click.option("--report", "report_path", type=click.Path(dir_okay=False),
               help="Write the per-file and fit report (Markdown) here; written even when no policy is.")
-@click.option("--candidates", callback=_configs,
-              help="Configurations the engines have runtime states for, e.g. 'off s1 s3' "
-                   "(default: every one seen in the inputs).")
+@click.option("--configs", "--candidates", "candidates", callback=configs_callback,
+              help=f"Configurations the engines have runtime states for, {CONFIGS_HELP} "
+                   "(default: every one seen in the inputs). --candidates is its older name.")
 @click.option("--max-batch", default=1024, show_default=True, type=click.IntRange(min=1),
               help="Largest batch size the table is derived for (the last row extends beyond).")
 @click.option("--min-steps", default=32.0, show_default=True, type=click.FloatRange(min=1),

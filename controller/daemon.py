@@ -3,8 +3,10 @@ status REP) plus a Prometheus /metrics endpoint. Single-threaded event loop."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import os
 import threading
 import time
 from dataclasses import dataclass
@@ -30,52 +32,61 @@ class Endpoints:
 
 
 class Daemon:
+    """Built all or nothing: every step that leaves something behind (a lock, the ZAP thread, a
+    bound socket and its file, the metrics server) registers its undo first, and a failure at any
+    step undoes the earlier ones; `close()` runs the same undo list."""
+
     def __init__(self, service: ControllerService, endpoints: Endpoints, *,
                  ctx: Optional[zmq.Context] = None, keys: Optional[transport.CurveKeys] = None,
                  insecure: bool = False, metrics_port: Optional[int] = None,
                  metrics_host: str = "127.0.0.1", shed_when_behind: bool = False):
-        self.service = service
-        self.endpoints = endpoints
-        self.ctx = ctx or zmq.Context.instance()
-        self._own_ctx = ctx is None
+        ctx = ctx or zmq.Context.instance()
         for ep in (endpoints.telemetry, endpoints.publish, endpoints.status):
             why = ep and transport.check_endpoint(ep, keys=keys, insecure=insecure)
             if why:
                 raise transport.TransportError(why)
+        if metrics_port is not None and metrics_host not in LOOPBACK_HOSTS and not insecure:
+            raise transport.TransportError(
+                f"metrics on {metrics_host} would be reachable from other hosts; pass --insecure to allow")
         if keys is not None and keys.allowed_clients is None:
             log.warning("CURVE without a client allow-list: any client holding the server's public "
                         "key may connect (give --curve-allowed-dir to restrict)")
-        # the ZAP handler lives exactly as long as this daemon's sockets (stopped in close())
-        self.auth = transport.start_authenticator(self.ctx, keys)
-        self.pull = self.pub = self.rep = None
-        try:
-            self.pull = transport.telemetry_pull(self.ctx, endpoints.telemetry, keys=keys, insecure=insecure)
-            self.pub = transport.policy_pub(self.ctx, endpoints.publish, keys=keys, insecure=insecure)
-            self.rep = (transport.status_rep(self.ctx, endpoints.status, keys=keys, insecure=insecure)
-                        if endpoints.status else None)
-        except Exception:
-            self._close_sockets()
-            raise
-        self.metrics_server = None
+        with contextlib.ExitStack() as undo:
+            for ep in (endpoints.telemetry, endpoints.publish, endpoints.status):
+                if ep:
+                    undo.enter_context(transport.claim_ipc(ep))
+            # the ZAP handler lives exactly as long as this daemon's sockets
+            auth = transport.start_authenticator(ctx, keys)
+            if auth is not None:
+                undo.callback(auth.stop)
+            pull = transport.telemetry_pull(ctx, endpoints.telemetry, keys=keys, insecure=insecure)
+            undo.callback(pull.close, linger=0)
+            pub = transport.policy_pub(ctx, endpoints.publish, keys=keys, insecure=insecure)
+            undo.callback(pub.close, linger=0)
+            rep = None
+            if endpoints.status:
+                rep = transport.status_rep(ctx, endpoints.status, keys=keys, insecure=insecure)
+                undo.callback(rep.close, linger=0)
+            metrics_server = None
+            if metrics_port is not None:
+                metrics_server = _start_metrics(service, metrics_host, metrics_port)
+                undo.callback(_stop_metrics, metrics_server)
+            self._undo = undo.pop_all()
+        self.service = service
+        self.endpoints = endpoints
+        self.ctx = ctx
+        self.auth = auth
+        self.pull, self.pub, self.rep = pull, pub, rep
+        self.metrics_server = metrics_server
         self.metrics_addr = (metrics_host, metrics_port)
-        if metrics_port is not None:
-            if metrics_host not in ("127.0.0.1", "localhost", "::1") and not insecure:
-                raise transport.TransportError(
-                    f"metrics on {metrics_host} would be reachable from other hosts; pass --insecure to allow")
-            from prometheus_client import start_http_server
-
-            try:
-                started = start_http_server(metrics_port, addr=metrics_host, registry=service.metrics.registry)
-            except OSError as e:
-                self._close_sockets()
-                raise transport.TransportError(f"cannot serve metrics on {metrics_host}:{metrics_port}: {e}") from None
-            self.metrics_server = started[0] if isinstance(started, tuple) else None
         self.stop_event = threading.Event()
         # Off by default: a full queue then back-pressures the senders (engines drop and count,
         # `specctl replay` waits), so nothing sent by replay is lost.
         self.shed_when_behind = shed_when_behind
         self.shedding = False
         self.keep_every = 1  # when shedding: fit one frame in this many (adapts to the overload)
+        self.num_shed = 0
+        self.rates = RateMeter(service)
 
     def run(self, stop: Optional[threading.Event] = None) -> None:
         stop = stop or self.stop_event
@@ -95,6 +106,7 @@ class Daemon:
                 if self.rep is not None and self.rep in events:
                     self._answer()
                 self._publish(safe_tick(svc))
+                self.rates.sample()
         finally:
             self.close()
 
@@ -116,6 +128,7 @@ class Daemon:
                 # behind: frames are counted and skipped, so the model keeps up with a uniform
                 # sample instead of lagging further behind the engines (and queues stay short)
                 svc.metrics.shed.inc()
+                self.num_shed += 1
             else:
                 svc.observe_frame(frame)
             if not n & 63 and time.perf_counter() > budget_end:
@@ -139,7 +152,7 @@ class Daemon:
             req = json.loads(raw)
             cmd = req.get("cmd") if isinstance(req, dict) else None
             if cmd == "status":
-                reply: dict[str, Any] = self.service.status()
+                reply: dict[str, Any] = self.status()
             elif cmd == "policy":
                 reply = wire.to_obj(self.service.policy)
             elif cmd == "ping":
@@ -147,7 +160,7 @@ class Daemon:
             else:
                 reply = {"error": f"unknown command {cmd!r}; use status, policy or ping"}
             result = "error" if "error" in reply else "ok"
-        except ValueError:
+        except (ValueError, RecursionError):  # RecursionError: nested too deeply
             reply, result = {"error": "request is not JSON"}, "error"
         self.service.metrics.status_requests.labels(result).inc()
         self.rep.send(json.dumps(reply, default=str).encode())  # type: ignore[union-attr]
@@ -161,31 +174,86 @@ class Daemon:
             pass  # PUB never blocks; a slow subscriber gets the next heartbeat
 
     def close(self) -> None:
+        """Persist the model, close the recorder, then undo the construction (sockets closed and
+        their files removed, ZAP and metrics stopped, locks released). Safe to call twice."""
         try:
             self.service.persist_model()
         except OSError as e:
             log.error("could not persist model state: %s", e)
         if self.service.recorder is not None:
             self.service.recorder.close()
-        self._close_sockets()
-        if self.metrics_server is not None:
-            self.metrics_server.shutdown()
-        if self._own_ctx:
-            pass  # the shared instance context lives as long as the process
-
-
-    def _close_sockets(self) -> None:
-        for s in (self.pull, self.pub, self.rep):
-            if s is not None and not s.closed:
-                s.close(linger=0)
-        if self.auth is not None:
-            self.auth.stop()
-            self.auth = None
+        self._undo.close()
 
     @property
     def num_clients_denied(self) -> int:
         """CURVE clients refused by the allow-list so far."""
         return self.auth.allow_list.num_denied if self.auth is not None else 0
+
+    def status(self) -> dict[str, Any]:
+        """The service's status plus what only the daemon knows (added keys only: older clients
+        read the reply as before)."""
+        reply = self.service.status()
+        reply["daemon"] = {
+            "pid": os.getpid(),
+            "endpoints": {"telemetry": self.endpoints.telemetry, "publish": self.endpoints.publish,
+                          "status": self.endpoints.status},
+            "shedding": self.shedding,
+            "num_shed": self.num_shed,
+            "num_clients_denied": self.num_clients_denied,
+            "num_tick_errors": self.service.num_tick_errors,
+            "records_per_s": self.rates.per_server(),
+            "rate_window_s": RATE_WINDOW_S,
+        }
+        return reply
+
+
+RATE_WINDOW_S = 10.0
+
+
+class RateMeter:
+    """Telemetry records per second per server, over the last RATE_WINDOW_S / 2 to RATE_WINDOW_S,
+    from the service's record counts sampled as the loop turns (no per-record work)."""
+
+    def __init__(self, service: ControllerService):
+        self.service = service
+        self._snaps: list[tuple[float, dict[str, int]]] = []  # at most two, oldest first
+
+    def _counts(self) -> dict[str, int]:
+        return {k: v.records for k, v in list(self.service.servers.items())[:64]}
+
+    def sample(self) -> None:
+        now = self.service.clock()
+        if self._snaps and now - self._snaps[-1][0] < RATE_WINDOW_S / 2:
+            return
+        self._snaps = self._snaps[-1:] + [(now, self._counts())]
+
+    def per_server(self) -> dict[str, float]:
+        """{} until a snapshot is at least a second old."""
+        self.sample()
+        t0, base = self._snaps[0]
+        dt = self.service.clock() - t0
+        if dt < 1.0:
+            return {}
+        return {k: round((n - base.get(k, 0)) / dt, 2) for k, n in self._counts().items()}
+
+
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+
+
+def _start_metrics(service: ControllerService, host: str, port: int) -> Any:
+    from prometheus_client import start_http_server
+
+    try:
+        started = start_http_server(port, addr=host, registry=service.metrics.registry)
+    except OSError as e:
+        raise transport.TransportError(f"cannot serve metrics on {host}:{port}: {e.strerror or e}") from None
+    return started[0] if isinstance(started, tuple) else None
+
+
+def _stop_metrics(server: Any) -> None:
+    if server is not None:
+        server.shutdown()
+        server.server_close()
 
 
 _TICK_ERRORS: set[str] = set()
@@ -197,7 +265,7 @@ def safe_tick(service: ControllerService) -> Optional[wire.PolicyRecord]:
     try:
         return service.tick()
     except Exception as e:  # noqa: BLE001 - the daemon must outlive one bad refit
-        service.num_tick_errors = getattr(service, "num_tick_errors", 0) + 1
+        service.num_tick_errors += 1
         msg = f"{type(e).__name__}: {e}"
         if msg not in _TICK_ERRORS and len(_TICK_ERRORS) < 100:
             _TICK_ERRORS.add(msg)

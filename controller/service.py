@@ -136,6 +136,7 @@ class ControllerService:
         self.last_publish = -float("inf")
         self.last_persist = clock()
         self.num_refits = 0
+        self.num_tick_errors = 0  # refits that raised (the daemon's safe_tick counts them)
         self.last_refit_ms = 0.0
         self.evidence: Optional[str] = "no telemetry yet"
         self._dirty = True  # current policy not yet published

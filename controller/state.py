@@ -14,11 +14,18 @@ from pathlib import Path
 from typing import Any, Optional
 
 from . import wire
+from .transport import PidLock
 
 log = logging.getLogger("specctl.state")
 
 POLICY_FILE = "policy.json"
 MODEL_FILE = "model.json"
+LOCK_FILE = "serve.lock"
+
+
+def state_lock(directory: str | os.PathLike[str]) -> PidLock:
+    """The lock `specctl serve` holds on its state dir for as long as it runs."""
+    return PidLock(Path(directory) / LOCK_FILE, f"state dir {directory}")
 
 
 def atomic_write(path: Path, data: bytes, *, keep_prev: bool = True) -> None:

@@ -7,7 +7,8 @@
           with NOBLOCK, keeps newest                         (re-sent as a heartbeat)
     REQ   connect, RCVTIMEO, one shot -->  REP   bind      status: {"cmd": ...} -> JSON reply
 
-Endpoints default to `ipc://` sockets inside a 0700 runtime directory, or `tcp://127.0.0.1`.
+Endpoints default to `ipc://` sockets inside a 0700 runtime directory, or `tcp://127.0.0.1`; a
+daemon holds a pid lock beside each ipc socket file (NAME.sock.lock) and removes both on exit.
 A tcp endpoint on any other interface is refused unless CURVE keys and a client allow-list are
 given (or `insecure`). With keys, every daemon socket runs CURVE and a ZAP handler
 (`start_authenticator`, owned by the daemon) admits only the allowed client public keys.
@@ -15,15 +16,19 @@ given (or `insecure`). With keys, every daemon socket runs CURVE and a ZAP handl
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import ipaddress
 import json
 import logging
 import os
 import stat
 import threading
+import time
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, ContextManager, Iterator, Optional
 
 import zmq
 
@@ -172,11 +177,125 @@ def start_authenticator(ctx: zmq.Context, keys: Optional[CurveKeys]) -> Optional
         return None
     from zmq.auth.thread import ThreadAuthenticator
 
-    auth = ThreadAuthenticator(ctx, log=logging.getLogger("specctl.zap"))
-    auth.start()
+    deadline = time.monotonic() + 2.0
+    while True:
+        auth = ThreadAuthenticator(ctx, log=logging.getLogger("specctl.zap"))
+        try:
+            auth.start()
+            break
+        except zmq.ZMQError as e:
+            if auth.zap_socket is not None:
+                auth.zap_socket.close(linger=0)
+            # a handler stopped a moment ago (a daemon closed in this context) releases its inproc
+            # endpoint asynchronously; anything else, or a live handler, is an error
+            if e.errno != zmq.EADDRINUSE or time.monotonic() > deadline:
+                raise TransportError(f"cannot start the CURVE authenticator: {e} "
+                                     "(one daemon with keys per ZeroMQ context)") from None
+            time.sleep(0.01)
     auth.allow_list = ClientAllowList(keys.allowed_clients)
     auth.configure_curve_callback(domain="*", credentials_provider=auth.allow_list)
     return auth
+
+
+class LockHeld(RuntimeError):
+    """Another live process holds the lock; `pid` is what it wrote there (None if unreadable)."""
+
+    def __init__(self, what: str, path: Path, pid: Optional[int]):
+        holder = f"pid {pid}" if pid is not None else "another process"
+        super().__init__(f"{what} is in use by {holder} (lock {path}): stop it first, or choose another")
+        self.path = path
+        self.pid = pid
+
+
+class PidLock:
+    """An exclusive flock on PATH that holds this process's pid. The kernel drops it when the holder
+    dies, so a lock file left by a killed process is taken over, never obeyed; `release()` removes it."""
+
+    def __init__(self, path: str | os.PathLike[str], what: str):
+        self.path = Path(path)
+        self.what = what
+        self._fd: Optional[int] = None
+
+    def acquire(self) -> "PidLock":
+        while True:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as e:
+                os.close(fd)
+                if e.errno not in (errno.EAGAIN, errno.EACCES):
+                    raise
+                raise LockHeld(self.what, self.path, _read_pid(self.path)) from None
+            try:
+                same = os.stat(self.path).st_ino == os.fstat(fd).st_ino
+            except FileNotFoundError:
+                same = False
+            if same:
+                break
+            # the holder released and removed the file between our open and our flock: a newer
+            # file (maybe held by a third process) is the lock now; take that one
+            os.close(fd)
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())
+        self._fd = fd
+        return self
+
+    def release(self) -> None:
+        if self._fd is None:
+            return
+        try:
+            self.path.unlink()  # while still held: nobody can be holding the file we remove
+        except FileNotFoundError:
+            pass
+        os.close(self._fd)
+        self._fd = None
+
+    def __enter__(self) -> "PidLock":
+        return self.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+def _read_pid(path: Path) -> Optional[int]:
+    try:
+        return int(path.read_text().strip())
+    except (OSError, ValueError):
+        return None
+
+def claim_ipc(endpoint: str) -> ContextManager[None]:
+    """For an ipc endpoint: its runtime dir checked, a pid lock beside the socket file, a stale
+    socket file removed; on exit the socket file (once its socket is closed) and the lock go. A
+    live holder is refused by pid: ZeroMQ would otherwise rebind the path under it. Other
+    endpoints: nothing (a second bind of a tcp port fails by itself)."""
+    if not endpoint.startswith("ipc://"):
+        return nullcontext()
+    return _claimed_ipc(Path(endpoint[len("ipc://"):]), endpoint)
+
+
+@contextmanager
+def _claimed_ipc(path: Path, endpoint: str) -> Iterator[None]:
+    try:
+        runtime_dir(path.parent)
+        lock = PidLock(path.with_name(path.name + ".lock"), endpoint).acquire()
+    except LockHeld as e:
+        raise TransportError(f"cannot bind {endpoint}: {e}") from None
+    except OSError as e:
+        raise TransportError(f"cannot bind {endpoint}: {e.strerror or e}") from None
+    try:
+        yield
+    finally:
+        # ZeroMQ's I/O thread removes the file of a closed listener a moment later; wait for it
+        # while the lock is still held, so that it cannot remove the next daemon's file instead
+        deadline = time.monotonic() + 1.0
+        while path.is_socket() and time.monotonic() < deadline:
+            time.sleep(0.005)
+        try:
+            if path.is_socket():
+                path.unlink()
+        except OSError:
+            pass
+        lock.release()
 
 
 def _prepare_ipc(endpoint: str) -> None:
@@ -199,6 +318,7 @@ def _secure_client(sock: zmq.Socket, keys: Optional[CurveKeys]) -> None:
     if keys is None:
         return
     if keys.server_public is None:
+        sock.close(linger=0)
         raise TransportError("a CURVE client needs the server's public key")
     sock.curve_secretkey = keys.secret
     sock.curve_publickey = keys.public
@@ -210,7 +330,11 @@ def _bind(sock: zmq.Socket, endpoint: str, keys: Optional[CurveKeys], insecure: 
     if why:
         sock.close(linger=0)
         raise TransportError(why)
-    _secure_server(sock, keys)
+    try:
+        _secure_server(sock, keys)
+    except zmq.ZMQError as e:
+        sock.close(linger=0)
+        raise TransportError(f"cannot bind {endpoint}: the CURVE server key is unusable ({e})") from None
     try:
         _prepare_ipc(endpoint)
     except (TransportError, OSError) as e:
@@ -224,8 +348,8 @@ def _bind(sock: zmq.Socket, endpoint: str, keys: Optional[CurveKeys], insecure: 
 
 
 def _connect(sock: zmq.Socket, endpoint: str, keys: Optional[CurveKeys]) -> None:
-    _secure_client(sock, keys)
     try:
+        _secure_client(sock, keys)
         sock.connect(endpoint)
     except zmq.ZMQError as e:
         sock.close(linger=0)
@@ -328,33 +452,76 @@ def status_rep(ctx: zmq.Context, endpoint: str, *, keys: Optional[CurveKeys] = N
 
 def status_request(ctx: zmq.Context, endpoint: str, request: dict[str, Any], *,
                    timeout_ms: int = 2000, keys: Optional[CurveKeys] = None) -> dict[str, Any]:
-    """One REQ round trip; raises TransportError on timeout or a non-JSON reply."""
+    """One REQ round trip. Every way it can fail (no peer, a refused handshake, a timeout on the
+    send or the receive, a reply that is not a JSON object) raises TransportError, never zmq's own."""
+    no_answer = f"no answer from {endpoint} within {timeout_ms} ms (is `specctl serve` running?)"
     sock = ctx.socket(zmq.REQ)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.RCVTIMEO, timeout_ms)
     sock.setsockopt(zmq.SNDTIMEO, timeout_ms)
+    sock.setsockopt(zmq.MAXMSGSIZE, 16 * 1024 * 1024)
     try:
         _connect(sock, endpoint, keys)
-        sock.send(json.dumps(request).encode())
         try:
+            # a REQ send blocks while it has no usable connection: a peer that is absent, or one
+            # whose handshake refused us and tore the connection down before this line ran
+            sock.send(json.dumps(request).encode())
             reply = sock.recv()
         except zmq.Again:
-            raise TransportError(f"no answer from {endpoint} within {timeout_ms} ms (is `specctl serve` running?)") from None
+            raise TransportError(no_answer) from None
+        except zmq.ZMQError as e:
+            raise TransportError(f"{endpoint}: {e}") from None
         try:
-            return json.loads(reply)
-        except ValueError:
+            obj = json.loads(reply)
+        except (ValueError, RecursionError):
             raise TransportError(f"{endpoint} answered something that is not JSON") from None
+        if not isinstance(obj, dict):
+            raise TransportError(f"{endpoint} answered JSON that is not an object")
+        return obj
     finally:
         sock.close(linger=0)
 
 
 def telemetry_blocking_push(ctx: zmq.Context, endpoint: str, *, hwm: int = 1000,
-                            keys: Optional[CurveKeys] = None, send_timeout_ms: int = 10_000) -> zmq.Socket:
+                            keys: Optional[CurveKeys] = None, send_timeout_ms: int = 10_000,
+                            connect_timeout_ms: int = 3000) -> zmq.Socket:
     """For `specctl replay`: a PUSH whose send blocks at the high-water mark, so that no
-    recorded frame is lost to it (the engine-side sender drops instead)."""
+    recorded frame is lost to it (the engine-side sender drops instead). Returned only once a
+    daemon has completed the handshake: with none listening (or one refusing our keys) it raises
+    TransportError instead of queueing frames that nobody takes."""
     sock = ctx.socket(zmq.PUSH)
     sock.setsockopt(zmq.LINGER, 5000)
     sock.setsockopt(zmq.SNDHWM, hwm)
     sock.setsockopt(zmq.SNDTIMEO, send_timeout_ms)  # a daemon that takes nothing: fail, not hang
-    _connect(sock, endpoint, keys)
+    sock.setsockopt(zmq.IMMEDIATE, 1)  # frames go only to a connection that completed its handshake
+    monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+                                      | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                                      | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
+    try:
+        _connect(sock, endpoint, keys)
+        why = _await_handshake(monitor, connect_timeout_ms)
+    finally:
+        if not sock.closed:
+            sock.disable_monitor()
+        monitor.close(linger=0)
+    if why is not None:
+        sock.close(linger=0)
+        raise TransportError(f"{endpoint}: {why}")
     return sock
+
+
+def _await_handshake(monitor: zmq.Socket, timeout_ms: int) -> Optional[str]:
+    """None once a handshake succeeded; else why not (the last refusal, or nobody answering)."""
+    from zmq.utils.monitor import recv_monitor_message
+
+    refused = None
+    deadline = time.monotonic() + timeout_ms / 1000
+    while (left_ms := int((deadline - time.monotonic()) * 1000)) > 0:
+        if not monitor.poll(left_ms):
+            break
+        event = recv_monitor_message(monitor)["event"]
+        if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+            return None
+        refused = ("the daemon refused our CURVE key" if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH
+                   else "the peer failed the ZeroMQ handshake (CURVE keys on one side only?)")
+    return refused or f"nothing is listening (no handshake within {timeout_ms} ms; is `specctl serve` running?)"

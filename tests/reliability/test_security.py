@@ -101,6 +101,36 @@ def test_unauthenticated_clients_cannot_push_telemetry_or_read_the_policy(curve_
         s.close()
 
 
+@pytest.fixture
+def immediate_ctx():
+    """A context whose sockets queue only on completed connections (ZMQ_IMMEDIATE): a REQ send then
+    blocks for as long as no handshake has succeeded, which is what a busy machine produces at
+    random when a refused handshake tears the connection down before the request is sent."""
+    ctx = zmq.Context()
+    ctx.setsockopt(zmq.IMMEDIATE, 1)
+    yield ctx
+    ctx.destroy(linger=0)
+
+
+def test_status_request_whose_send_cannot_complete_says_no_answer(curve_daemon, immediate_ctx, certs, tmp_path):
+    _, eps = curve_daemon
+    cases = {
+        "no peer": (f"ipc://{transport.runtime_dir(tmp_path / 'empty')}/status.sock", None),
+        "plain client refused by CURVE": (eps["status"], None),
+        "unknown CURVE key refused by ZAP": (eps["status"], _client_keys(certs, "rogue")),
+    }
+    for case, (endpoint, keys) in cases.items():
+        t0 = time.monotonic()
+        with pytest.raises(transport.TransportError, match="no answer") as err:
+            transport.status_request(immediate_ctx, endpoint, {"cmd": "policy"}, timeout_ms=300, keys=keys)
+        assert time.monotonic() - t0 < 30, case
+        assert endpoint in str(err.value), case
+    # the same context reaches the daemon once the key is right: the refusals above were the keys'
+    good = transport.status_request(immediate_ctx, eps["status"], {"cmd": "ping"}, timeout_ms=10_000,
+                                    keys=_client_keys(certs, "engine"))
+    assert good == {"kind": "pong"}
+
+
 def _daemon(zctx, eps, **kw):
     svc = ControllerService(ServiceSettings())
     return Daemon(svc, Endpoints(eps["telemetry"], eps["publish"], eps["status"]), ctx=zctx, **kw)
