@@ -15,7 +15,7 @@ def fresh_tree(dst: Path) -> Path:
     dst.mkdir(parents=True, exist_ok=True)
     for name in ("pyproject.toml", "README.md", "MANIFEST.in"):
         shutil.copy2(ROOT / name, dst / name)
-    for name in ("policies", "controller", "training", "plugin", "scripts"):
+    for name in ("policies", "controller", "training", "plugin", "harness", "scripts"):
         shutil.copytree(ROOT / name, dst / name, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
     return dst
 
@@ -29,7 +29,7 @@ def test_wheel_contains_only_the_specctl_namespace(tmp_path):
     names = zipfile.ZipFile(whl).namelist()
     tops = {n.split("/")[0] for n in names}
     assert tops == {"specctl", next(t for t in tops if t.endswith(".dist-info"))}, tops
-    for pkg in ("policies", "controller", "training", "plugin"):
+    for pkg in ("policies", "controller", "training", "plugin", "harness"):
         assert f"specctl/{pkg}/__init__.py" in names
     assert "specctl/__init__.py" not in names  # an implicit namespace: nothing else claims `specctl`
     assert not any(n.startswith(("tests/", "benchmarks/")) for n in names)
@@ -42,7 +42,7 @@ def test_wheel_contains_only_the_specctl_namespace(tmp_path):
     dist = next(t for t in tops if t.endswith(".dist-info"))
     eps = zipfile.ZipFile(whl).read(f"{dist}/entry_points.txt").decode()
     assert "[sglang.srt.plugins]" in eps and "specctl = specctl.plugin:register" in eps
-    assert "specctl = specctl.controller.cli:main" in eps
+    assert "specctl = specctl.harness.cli:main" in eps  # the runtime commands plus bench and demo
     meta = zipfile.ZipFile(whl).read(f"{dist}/METADATA").decode()
     requires = [l for l in meta.splitlines() if l.startswith("Requires-Dist:") and "extra ==" not in l]
     assert not any(("sglang" in r or "torch" in r) for r in requires), requires

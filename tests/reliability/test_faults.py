@@ -1,12 +1,12 @@
 """Faults with real processes and sockets: SIGKILL during state writes, the daemon absent at engine
 start, killed and restarted under a running engine, frozen (SIGSTOP: stops reading and
-publishing). The drills live in specctl.controller.reliability (the benchmark runs them longer)."""
+publishing). The drills live in specctl.harness.reliability (the benchmark runs them longer)."""
 
 import json
 import subprocess
 import sys
 
-from specctl.controller import reliability
+from specctl.harness import reliability
 from specctl.controller.state import StateStore
 
 
@@ -61,7 +61,7 @@ def test_daemon_killed_and_restarted_under_a_running_engine(tmp_path, zctx):
 def _drill_in_a_process_of_its_own(call: str) -> dict:
     """The engine side in a fresh interpreter, as in an SGLang scheduler process: no thread of the
     test runner can make one of its steps wait for the GIL."""
-    code = f"import json; from specctl.controller import reliability; print(json.dumps(reliability.{call}))"
+    code = f"import json; from specctl.harness import reliability; print(json.dumps(reliability.{call}))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.splitlines()[-1])

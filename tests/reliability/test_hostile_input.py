@@ -6,7 +6,7 @@ import pytest
 
 pytest.importorskip("hypothesis")
 
-from specctl.controller import reliability  # noqa: E402
+from specctl.harness import reliability  # noqa: E402
 
 CI_CASES = 200
 

@@ -27,8 +27,8 @@ from typing import Any, Callable, Optional
 
 import zmq
 
-from . import transport, wire
-from .state import StateStore
+from ..controller import transport, wire
+from ..controller.state import StateStore
 
 log = logging.getLogger("specctl.reliability")
 
@@ -180,7 +180,7 @@ class EngineLoop:
 
 _ZYGOTE = r"""
 import os, signal, struct, sys
-from specctl.controller.reliability import policy_for_version, model_for_version
+from specctl.harness.reliability import policy_for_version, model_for_version
 from specctl.controller.state import StateStore
 out = sys.stdout.buffer
 for line in sys.stdin:
@@ -553,7 +553,7 @@ def generate_certs(directory: str | os.PathLike[str]) -> dict[str, Path]:
 _SENDER = r"""
 import json, sys, time, zmq
 from specctl.controller import transport
-from specctl.controller.reliability import load_frames
+from specctl.harness.reliability import load_frames
 cfg = json.loads(sys.argv[1])
 ctx = zmq.Context()
 ranks = cfg["ranks"]
