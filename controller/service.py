@@ -74,13 +74,6 @@ class ServiceSettings:
     # where telemetry carries ctx_tokens and step time depends on it, publish a table per band of
     # mean context per request (see ControllerService.ctx_bands); False: one table for any context
     ctx_axis: bool = True
-    # an experiment, not a `specctl serve` flag: price the time between decode steps (prefill
-    # iterations) per configuration where telemetry has measured it for two or more of them (see
-    # ControllerService.gap_ms). Off: the measured gaps follow the workload's phase (a level's
-    # ramp-up prefills whatever runs then) as much as the configuration, and on the GPU it did not pay
-    # (docs/gpu-testbed.md, item 1); scripts/replay_gaps.py replays recordings with it
-    gap_term: bool = False
-
     def __post_init__(self) -> None:
         if self.mode not in ("online", "fixed"):
             raise ValueError(f"mode must be 'online' or 'fixed', not {self.mode!r}")
@@ -264,44 +257,11 @@ class ControllerService:
     def table_max_batch(self) -> int:
         return int(min(self.settings.max_batch, max(64, 2 * self.model.max_observed_batch())))
 
-    def gap_se(self, configs: list[Config], b: np.ndarray, gaps: dict[Config, np.ndarray]) -> dict[Config, np.ndarray]:
-        """The standard error of each configuration's gap_ms term (0 where the term is 0 or pooled)."""
-        out = {}
-        for c in configs:
-            e = self.model.gap_ms_se(c, b) if self.settings.gap_term else np.full(len(b), np.nan)
-            out[c] = np.where(np.isnan(e) | (gaps[c] == 0.0), 0.0, e)
-        return out
-
-    def gap_ms(self, configs: list[Config], b: np.ndarray) -> dict[Config, np.ndarray]:
-        """What each configuration's step costs beyond its decode forward, at each batch size: the
-        measured time between decode steps (CostModel.gap_ms), where two or more of `configs` have it
-        in that batch region; a configuration without it there gets the mean of those measured (no
-        edge either way); 0 where fewer than two are measured, so without such telemetry (SGLang log
-        lines, the simulator) the table is the decode-forward one."""
-        zero = {c: np.zeros(len(b)) for c in configs}
-        if not self.settings.gap_term:
-            return zero
-        g = np.vstack([self.model.gap_ms(c, b) for c in configs]) if configs else np.zeros((0, len(b)))
-        known = ~np.isnan(g)
-        both = known.sum(axis=0) >= 2
-        if not both.any():
-            return zero
-        pooled = np.zeros(len(b))
-        pooled[both] = np.nanmean(g[:, both], axis=0)
-        out = np.where(known, g, pooled[None, :])
-        out[:, ~both] = 0.0
-        return {c: out[i] for i, c in enumerate(configs)}
-
     def options(self, max_batch: Optional[int] = None) -> list[cmpolicy.Option]:
-        """Candidates with both a step-time fit and a known tau, predicted at b = 1..max_batch; the
-        step time is the decode forward's plus the time between decode steps (gap_ms)."""
+        """Candidates with both a step-time fit and a known tau, predicted at b = 1..max_batch."""
         mb = max_batch or self.table_max_batch()
         b = np.arange(1, mb + 1)
         out = []
-        usable = [c for c in self.candidates()
-                  if self.model.tokens_per_step(c) is not None and self.model.has_step_time(c)]
-        gaps = self.gap_ms(usable, b)
-        gse = self.gap_se(usable, b, gaps)
         for c in self.candidates():
             tau = self.model.tokens_per_step(c)
             if tau is None or not self.model.has_step_time(c):
@@ -316,8 +276,7 @@ class ControllerService:
             t = self.model.predict_step_ms(c, b)
             if self.settings.switch_z > 0:
                 se, thin = self.model.step_ms_errors(c, b)
-                se, thin = _with_gap_error(t, gaps[c], gse[c], se, thin)
-            out.append(cmpolicy.Option(c, tau, t + gaps[c], trusted, se, thin))
+            out.append(cmpolicy.Option(c, tau, t, trusted, se, thin))
         return out
 
     def _evidence_problem(self, options: list[cmpolicy.Option]) -> Optional[str]:
@@ -369,7 +328,7 @@ class ControllerService:
                                 explore_period=self.settings.explore_period if explore else 0)
             source = self.policy.source
         changed = (table.rows != current.rows or table.explore != current.explore
-                   or table.challenge != current.challenge or table.bands != current.bands
+                   or table.bands != current.bands
                    or source != self.policy.source)
         self.num_refits += 1
         self.metrics.refits.inc()
@@ -421,8 +380,6 @@ class ControllerService:
         if tau_log_var is None and z > 0:  # refit passes the one it computed for the same options
             tau_log_var = self.model.tau_log_diff_var([o.config for o in options])
         b = np.arange(1, len(options[0].step_ms) + 1)
-        gaps = self.gap_ms([o.config for o in options], b)
-        gse = self.gap_se([o.config for o in options], b, gaps)
         per_band: list[tuple[int, int, tuple[Row, ...], float, list[cmpolicy.Option]]] = []
         for k in range(seen[0], seen[-1] + 1):
             lo, hi = ctx_band_range(k)
@@ -433,9 +390,8 @@ class ControllerService:
                 t = self.model.predict_step_ms_ctx(o.config, b, at)
                 if z > 0:
                     se, thin = self.model.step_ms_ctx_errors(o.config, b, at)
-                    se, thin = _with_gap_error(t, gaps[o.config], gse[o.config], se, thin)
                 trusted = o.trust() & self.model.ctx_trusted(o.config, k)
-                opts.append(cmpolicy.Option(o.config, o.tokens_per_step, t + gaps[o.config], trusted, se, thin))
+                opts.append(cmpolicy.Option(o.config, o.tokens_per_step, t, trusted, se, thin))
             prev = PolicyTable(rows=previous.rows_for(int(at))) if previous is not None else None
             choices = cmpolicy.choose(opts, prev, self.settings.margin, table, z=z, tau_log_var=tau_log_var,
                                       max_margin=self.settings.max_margin)
@@ -556,7 +512,7 @@ class ControllerService:
             summary["off_paths"] = dict(sorted(paths.items()))
         x = table.spec_off_crossover()
         summary["spec_off_crossover"] = x
-        if table.bands and getattr(self, "band_summary", None):
+        if table.bands and self.band_summary:
             summary["ctx_bands"] = self.band_summary
         return summary
 
@@ -566,7 +522,7 @@ class ControllerService:
             "kind": "policy", "schema": wire.SCHEMA_VERSION, "version": version,
             "created_at": self.clock(), "source": source,
             "table": table.to_rows_obj(),
-            "model": self._model_summary(options or [], table) if hasattr(self, "model") else {},
+            "model": self._model_summary(options or [], table),
         }
         if table.explore:
             obj["explore"] = rows_to_obj(table.explore)
@@ -617,14 +573,3 @@ class ControllerService:
             "resumed_policy_version": self.resumed_version,
         }
 
-
-def _with_gap_error(t: np.ndarray, gap: np.ndarray, gap_se: np.ndarray, se: Optional[np.ndarray],
-                    thin: Optional[np.ndarray]) -> tuple[Optional[np.ndarray], Optional[np.ndarray]]:
-    """Relative errors of t + gap from t's relative errors and gap's absolute one: the switch rule
-    then holds a boundary where the gap term alone makes a near-tie (identical where gap is 0)."""
-    if se is None or not np.any(gap):
-        return se, thin
-    tot = t + gap
-    se2 = np.sqrt((np.asarray(se) * t) ** 2 + gap_se ** 2) / tot
-    thin2 = None if thin is None else np.asarray(thin) * t / tot
-    return se2, thin2

@@ -207,11 +207,10 @@ class PolicyRecord(_Versioned):
 
     `explore` (optional) lists batch-size ranges where a configuration is worth measuring (the
     daemon's exploration rule); the engine uses it on one step in `explore_period`, chosen by its
-    step counter (same on every TP rank). `challenge` (optional; written by daemons before the one
-    exploration rule, still honoured) lists ranges used likewise on one step in `challenge_period`
-    (those steps the exploration rows leave).
+    step counter (same on every TP rank). `challenge` / `challenge_period`: written by daemons
+    before the one exploration rule; accepted (still validated) and ignored.
     `table` rows naming `min_ctx` / `max_ctx` form context bands (see check_table_covers); an
-    exploring or challenging row naming them covers only batches of that mean context.
+    exploring row naming them covers only batches of that mean context.
     """
 
     kind: Literal["policy"] = "policy"
@@ -232,7 +231,7 @@ class PolicyRecord(_Versioned):
 
     def configs(self) -> list[SpecConfig]:
         seen: dict[tuple[int, int, int], SpecConfig] = {}
-        for row in list(self.table) + list(self.explore or []) + list(self.challenge or []):
+        for row in list(self.table) + list(self.explore or []):
             seen.setdefault(row.config.key, row.config)
         return list(seen.values())
 

@@ -1025,8 +1025,8 @@ def fuzz_wire(num_cases: int = 10_000, seed: int = 0) -> dict[str, Any]:
 
 
 def _policy_table_frames(st: Any) -> Any:
-    """Valid-looking policies whose rows, exploration rows or challenge rows may name step counts
-    with no runtime state."""
+    """Valid-looking policies whose rows or exploration rows may name step counts with no runtime
+    state (and challenge rows, which older daemons wrote and engines ignore)."""
 
     @st.composite
     def frames(draw: Any) -> bytes:
@@ -1057,8 +1057,8 @@ def _policy_table_frames(st: Any) -> Any:
 def fuzz_engine_policy(num_cases: int = 10_000, seed: int = 0) -> dict[str, Any]:
     """Policy frames into the engine (EngineController.offer_policy_frame + sync): whatever
     arrives, every decision names a step count the engine has a runtime state for; a table whose
-    rows, exploration rows or challenge rows name any other step count (or a tree) is refused and
-    the engine stays on its fallback."""
+    rows or exploration rows name any other step count (or a tree) is refused and the engine stays
+    on its fallback; challenge rows (older daemons) are ignored."""
     from hypothesis import strategies as st
 
     from ..plugin.engine import EngineController
@@ -1084,10 +1084,8 @@ def fuzz_engine_policy(num_cases: int = 10_000, seed: int = 0) -> dict[str, Any]
             rec = wire.decode_policy(frame)
         except wire.WireError as e:
             return e.reason
-        # exploring and challenging steps run their rows' configurations too: they need runtime
-        # states as well
-        names = {(r.config.steps, r.config.topk)
-                 for r in list(rec.table) + list(rec.explore or []) + list(rec.challenge or [])}
+        # exploring steps run their rows' configurations too: they need runtime states as well
+        names = {(r.config.steps, r.config.topk) for r in list(rec.table) + list(rec.explore or [])}
         runnable = all(s in candidates and (s == 0 or k == 1) for s, k in names)
         if eng.active_source == "fallback":
             if runnable:

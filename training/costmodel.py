@@ -94,39 +94,13 @@ class Sample:
     server: str = ""
     rank: int = 0
     ctx_tokens: Optional[int] = None  # context tokens of the whole batch, where known
-    iter: Optional[int] = None  # the scheduler's forward iteration (telemetry): gaps are other iterations
 
     @classmethod
     def from_record(cls, rec: Any) -> "Sample":
         c = rec.config
         return cls(ts=rec.ts, config=(c.steps, c.topk, c.draft_tokens), batch_size=rec.batch_size,
                    step_ms=rec.step_ms, accepted=rec.accepted, server=rec.server, rank=rec.rank,
-                   ctx_tokens=rec.ctx_tokens, iter=rec.iter)
-
-
-GAP_STRETCH = 8  # steps of one configuration in a row before the gaps inside the run count for it
-GAP_IDLE_S = 1.0  # a longer time between two decode steps is an idle server (no requests), not a cost
-GAP_MIN_STEPS = 32  # gaps behind a configuration's estimate in a region (undecayed count)
-
-
-@dataclass
-class GapCell:
-    """Time between decode steps of one configuration in one batch region: decayed step weight,
-    decayed sum of gap ms, and undecayed counts (steps; non-decode iterations among them)."""
-
-    n: int = 0
-    w: float = 0.0
-    gap_w: float = 0.0
-    other_iters: int = 0
-    gap2_w: float = 0.0  # decayed sum of squared gaps: the estimate's standard error
-
-    def se(self) -> float:
-        """Standard error of the mean gap per step: most steps have none and a few hold a whole
-        prefill, so the spread is large; n counts steps, which prefill bursts make less than
-        independent (the error is a floor, not a bound)."""
-        mean = self.gap_w / self.w
-        var = max(0.0, self.gap2_w / self.w - mean * mean)
-        return math.sqrt(var / max(self.n, 1))
+                   ctx_tokens=rec.ctx_tokens)
 
 
 @dataclass
@@ -397,10 +371,6 @@ class CostModel:
         self.times_: dict[tuple[Config, int], _TimeCell] = {}
         self.accept_: dict[Config, _AcceptCell] = {}
         self.last_config_: dict[tuple[str, int], tuple[Config, int]] = {}
-        # the time between decode steps (GapCell): per (server, rank) the last step seen, per
-        # (config, log2 region) the decayed gap sums
-        self.gap_last_: dict[tuple[str, int], tuple[int, float, float, Config, int, int]] = {}
-        self.gaps_: dict[tuple[Config, int], "GapCell"] = {}
         self.num_samples_: int = 0
         self.num_warmup_dropped_: int = 0
         self.num_accept_changes_: int = 0  # acceptance histories replaced on a detected shift
@@ -450,10 +420,6 @@ class CostModel:
             cell.warm_weight *= f
         for cc in self.ctx_cells_.values():
             cc.scale(f)
-        for g in self.gaps_.values():
-            g.w *= f
-            g.gap_w *= f
-            g.gap2_w *= f
         for k in self.ctx_band_w_:
             self.ctx_band_w_[k] *= f
         for acc in self.accept_.values():
@@ -515,8 +481,6 @@ class CostModel:
                 acc.mean_weight += wa * s.batch_size
         if s.step_ms is None or not (s.step_ms > 0 and math.isfinite(s.step_ms)):
             return
-        if s.iter is not None and s.weight == 1:
-            self._add_gap(s, c, w)  # type: ignore[arg-type]
         # step time: the first steps after a switch pay for state changes; skip them (single
         # steps only: an interval-averaged sample has already diluted them)
         ctx = s.ctx_tokens
@@ -536,69 +500,6 @@ class CostModel:
         if warm:
             self.num_warmup_dropped_ += 1
         self._add_time(c, s.batch_size, w, s.step_ms, warm, s.ts, ctx)  # type: ignore[arg-type]
-
-    def _add_gap(self, s: Sample, c: Config, w: float) -> None:
-        """Where the scheduler ran other iterations between two decode steps (their forward
-        iterations are not consecutive), the wall time from the first one's launch to the next one's
-        less the first step's own forward: what the server spent on prefill and extend iterations
-        between them (0 for consecutive steps). A step's goodput is b·tau / (t + g), so a
-        configuration that makes the server run more non-decode iterations per step pays for them
-        there: under closed-loop clients a speculating server finishes requests on more steps and
-        prefills their successors in more, smaller batches (2026-12-02: 4.3 against 2.4 prefill
-        iterations per 1000 tokens at batch 48-64 in one server's s2 and plain-decode stretches,
-        50-75 ms each), and the decode forwards alone do not show it. A gap counts for the configuration of the stretch it lies in,
-        and only inside a stretch of GAP_STRETCH steps or more of it (a lone exploring step sits in
-        the gaps its neighbours caused); a gap of more than GAP_IDLE_S is an idle server, not a cost."""
-        key = (s.server, s.rank)
-        prev = self.gap_last_.get(key)
-        it = int(s.iter)  # type: ignore[arg-type]
-        run = prev[5] + 1 if prev is not None and prev[3] == c and it > prev[0] else 1
-        self.gap_last_[key] = (it, s.ts, float(s.step_ms), c, s.batch_size, run)  # type: ignore[arg-type]
-        if prev is None or run <= GAP_STRETCH or it <= prev[0]:
-            return
-        dt = s.ts - prev[1]
-        if not 0.0 < dt <= GAP_IDLE_S:
-            return
-        # only non-decode iterations count: between contiguous iterations the difference is the
-        # launch cadence's jitter around the forward (and a simulator, whose steps run back to back
-        # and whose records are stamped at their end, must see none)
-        gap = max(0.0, 1000.0 * dt - prev[2]) if it - prev[0] > 1 else 0.0
-        k = (c, _region_of(prev[4]))
-        cell = self.gaps_.get(k)
-        if cell is None:
-            cell = self.gaps_[k] = GapCell()  # type: ignore[index]
-        cell.n += 1
-        cell.w += w
-        cell.gap_w += w * gap
-        cell.gap2_w += w * gap * gap
-        if it - prev[0] > 1:
-            cell.other_iters += it - prev[0] - 1
-
-    def gap_ms(self, c: Config, batch_sizes: Sequence[int] | np.ndarray) -> np.ndarray:
-        """The measured time between decode steps per step of c at each batch size: each log2
-        region's decayed mean (regions with GAP_MIN_STEPS gaps or more) placed at the region's
-        geometric centre and interpolated linearly in log batch size between centres (a step
-        function would cross the smooth step-time curves again and again near a tie), held flat
-        half a region beyond the outermost ones; nan elsewhere."""
-        return self._gap_curve(c, batch_sizes)[0]
-
-    def gap_ms_se(self, c: Config, batch_sizes: Sequence[int] | np.ndarray) -> np.ndarray:
-        """gap_ms's standard error (GapCell.se), interpolated alike; nan where gap_ms is."""
-        return self._gap_curve(c, batch_sizes)[1]
-
-    def _gap_curve(self, c: Config, batch_sizes: Sequence[int] | np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        pts = sorted((b * math.sqrt(2.0), g.gap_w / g.w, g.se()) for (k, b), g in self.gaps_.items()
-                     if k == tuple(c) and g.n >= GAP_MIN_STEPS and g.w > 0)
-        b = np.asarray(batch_sizes, dtype=float)
-        out, err = np.full(len(b), np.nan), np.full(len(b), np.nan)
-        if not pts:
-            return out, err
-        x = np.log([p[0] for p in pts])
-        lb = np.log(np.maximum(b, 1.0))
-        inside = (lb >= x[0] - 0.5 * math.log(2.0)) & (lb <= x[-1] + 0.5 * math.log(2.0))
-        out[inside] = np.interp(lb[inside], x, [p[1] for p in pts])
-        err[inside] = np.interp(lb[inside], x, [p[2] for p in pts])
-        return out, err
 
     def _add_time(self, c: Config, batch_size: int, w: float, step_ms: float, warm: bool, ts: float,
                   ctx: Optional[int] = None) -> None:
@@ -1134,10 +1035,6 @@ class CostModel:
             return 0.0
         return float(sum(acc.current()) + acc.mean_weight) * self._now_factor(self.accept_half_life_s)
 
-    def accept_weight_total(self, chains_only: bool = True) -> float:
-        """Decayed requests behind the (pooled) chain acceptance estimate."""
-        return sum(self.accept_weight(c) for c in self.accept_ if not chains_only or c[1] == 1)
-
     def _now_factor(self, half_life_s: Optional[float] = None) -> float:
         if self.t0_ is None:
             return 0.0
@@ -1223,8 +1120,6 @@ class CostModel:
             "accept": [[list(c), list(a.current()), a.mean_sum, a.mean_weight,
                         *(m.tolist() for m in a.current_moments())] for c, a in self.accept_.items()],
         }
-        if self.gaps_:  # absent where no telemetry carried iterations (old states have none)
-            out["gaps"] = [[list(c), b, g.n, g.w, g.gap_w, g.other_iters, g.gap2_w] for (c, b), g in self.gaps_.items()]
         if ctx:
             out["ctx"] = [[list(c), b, cc.w, cc.mx, cc.mt, cc.mxx, cc.mxt, cc.mtt]
                           for (c, b), cc in self.ctx_cells_.items()]
@@ -1272,8 +1167,6 @@ class CostModel:
             self.accept_[tuple(c)] = cell  # type: ignore[index]
         for c, b, *m in state.get("ctx", ()):
             self.ctx_cells_[(tuple(c), int(b))] = _CtxCell(*(float(x) for x in m))  # type: ignore[index]
-        for c, b, n, w, gw, oi, g2 in state.get("gaps", ()):
-            self.gaps_[(tuple(c), int(b))] = GapCell(int(n), float(w), float(gw), int(oi), float(g2))  # type: ignore[index]
         for c, lo, k, w in state.get("ctx_coverage", ()):
             self.ctx_band_w_[(tuple(c), int(lo), int(k))] = float(w)  # type: ignore[index]
         return self.refit()
@@ -1307,12 +1200,6 @@ class CostModel:
                     entry["ctx_ms_per_ktoken"] = round(1000.0 * cf.slope, 6)  # at batch 1: g of g * b^e * L
                     entry["ctx_batch_exponent"] = cf.exponent
                     entry["ctx_bands"] = list(cf.bands)
-            gaps = [{"min_batch": b, "max_batch": 2 * b - 1, "gap_ms": round(g.gap_w / g.w, 3), "steps": g.n,
-                     "other_iters_per_step": round(g.other_iters / g.n, 4)}
-                    for (k, b), g in sorted(self.gaps_.items(), key=lambda x: x[0][1])
-                    if k == c and g.n >= GAP_MIN_STEPS and g.w > 0]
-            if gaps:  # only where telemetry carries iterations
-                entry["gaps"] = gaps
             per[config_name(c)] = entry
         return {
             "samples": self.num_samples_,
