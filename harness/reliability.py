@@ -79,7 +79,7 @@ class ServeProcess:
         self.ready_s = float("nan")
 
     def start(self, ctx: zmq.Context, timeout_s: float = 60.0) -> "ServeProcess":
-        from .daemon import wait_for_status
+        from ..controller.daemon import wait_for_status
 
         t0 = time.monotonic()
         self.proc = subprocess.Popen(self.args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
@@ -964,8 +964,8 @@ def fuzz_wire(num_cases: int = 10_000, seed: int = 0) -> dict[str, Any]:
     (ControllerService.observe_frame), whose model must still refit to a valid policy."""
     from hypothesis import strategies as st
 
-    from .metrics import Metrics
-    from .service import ControllerService, ServiceSettings
+    from ..controller.metrics import Metrics
+    from ..controller.service import ControllerService, ServiceSettings
 
     svc = ControllerService(ServiceSettings(), metrics=Metrics(), clock=lambda: 1764441700.0)
 
@@ -1002,7 +1002,7 @@ def fuzz_wire(num_cases: int = 10_000, seed: int = 0) -> dict[str, Any]:
 
     tally = _fuzz("wire decoder + daemon ingest", _frames_strategy(st, STEP_BASES + POLICY_BASES),
                   check, num_cases, seed)
-    from .daemon import safe_tick
+    from ..controller.daemon import safe_tick
 
     try:
         svc.last_refit = -float("inf")  # due now
@@ -1236,7 +1236,7 @@ def _fuzz_reader(target: str, fmt: str, line: Any, num_cases: int, seed: int,
 
     from ..training.costmodel import CostModel
     from ..training.readers import FileReport, read_file
-    from .replay import replay
+    from ..controller.replay import replay
 
     d = Path(workdir or tempfile.mkdtemp(prefix="specctl-fuzz-"))
     d.mkdir(parents=True, exist_ok=True)
