@@ -267,7 +267,7 @@ def test_a_step_time_curve_is_trusted_up_to_twice_its_largest_measured_batch():
     feed(svc, clock, GroundTruth((s3,)), 3000, [1, 2, 4, 8, 16, 32], seed=1)
     clock.t += 1
     svc.tick()
-    trust = {o.config: o.trust() for o in svc.options(128)}
+    trust = {o.config: o.trust() for o in svc.fitter.options(128)}
     assert trust[(0, 1, 1)][31] and not trust[(0, 1, 1)][32]  # b = 32 yes, 33 no
     assert trust[(3, 1, 4)][63] and not trust[(3, 1, 4)][64]
 
@@ -329,7 +329,7 @@ def test_a_flood_of_distinct_configurations_is_bounded():
                 assert svc.observe_frame(json.dumps(rec).encode())
     clock.t += 1
     svc.tick()  # no exception: candidates and explore rows are capped
-    assert len(svc.candidates()) <= 17
+    assert len(svc.fitter.candidates()) <= 17
     assert len(svc.policy.explore or []) <= 256
 
 
