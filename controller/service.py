@@ -16,7 +16,7 @@ import numpy as np
 from ..policies import costmodel as cmpolicy
 from ..policies.fixed import DEFAULT_CONFIG, DEFAULT_THRESHOLD, fixed_threshold, static
 from ..policies.table import OFF, Config, PolicyTable, Row, config_name, rows_to_obj
-from ..training.costmodel import Sample
+from ..training.costmodel import CostModel, Sample
 from ..training.fit import FitSettings, TableFitter
 from . import wire
 from .metrics import Metrics
@@ -81,7 +81,6 @@ class ControllerService:
         self.metrics = metrics or Metrics()
         self.recorder = recorder
         self.fitter = TableFitter(settings)
-        self.model = self.fitter.model
         self.servers: dict[str, ServerStats] = {}
         self.started_at = clock()
         self.last_refit = -float("inf")
@@ -127,6 +126,11 @@ class ControllerService:
             self.policy = self._record(fallback, version=1, source="fixed")
             self._persist_policy()
         self._update_policy_metrics()
+
+    @property
+    def model(self) -> CostModel:
+        """The fitter's cost model (one model: what the service ingests is what the tables come from)."""
+        return self.fitter.model
 
     # ------------------------------------------------------------------ ingest
 

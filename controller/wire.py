@@ -26,6 +26,10 @@ from pydantic import (
     model_validator,
 )
 
+from ..policies import table
+# the one vocabulary (policies.table): configuration names, re-exported for wire's users
+from ..policies.table import config_name, config_to_obj  # noqa: F401
+
 SCHEMA_VERSION = 1
 MAX_BATCH_SIZE = 65536  # bounds every per-request list on the wire
 MAX_STEPS = 64
@@ -97,17 +101,7 @@ class SpecConfig(_Strict):
         return self.steps == 0
 
 
-OFF = SpecConfig(steps=0, topk=1, draft_tokens=1)
-
-
-def config_name(key: tuple[int, int, int]) -> str:
-    """Canonical short name: `off`, `s3` for a chain, `s2k4n16` for a tree."""
-    steps, topk, draft = key
-    if steps == 0:
-        return "off"
-    if topk == 1:
-        return f"s{steps}"
-    return f"s{steps}k{topk}n{draft}"
+OFF = SpecConfig(**config_to_obj(table.OFF))  # the table's OFF, validated as a wire record
 
 
 def parse_config(text: str) -> SpecConfig:

@@ -16,10 +16,10 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Optional, Sequence
 
 import numpy as np
-from ..controller import wire
-from .costmodel import Config, Sample
 
-OFF: Config = (0, 1, 1)
+from ..controller import wire
+from ..policies.table import OFF, Config
+from .costmodel import Sample
 FORMATS = ("telemetry", "sglang-log", "bench-serving")
 MAX_EXAMPLES = 5  # line-numbered examples kept per skip reason
 MAX_LINE_BYTES = 64 * 1024 * 1024  # a "line" longer than this is garbage, skipped unread
