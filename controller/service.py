@@ -215,7 +215,7 @@ class ControllerService:
         mb = self.fitter.table_max_batch()
         options = self.fitter.options(mb)
         self.evidence = self.fitter.evidence_problem(options)
-        self.fitter.band_choices_ = []
+        self.fitter.forget_band_choices()
         current = PolicyTable.from_policy_obj(wire.to_obj(self.policy))
         if self.settings.mode == "online" and options:
             # with partial evidence (say, plain decode never measured yet) the configurations
@@ -229,7 +229,7 @@ class ControllerService:
                                       margin=self.settings.margin, default=base, z=z,
                                       max_margin=self.settings.max_margin, tau_log_var=tau_log_var)
             bands = self.fitter.ctx_bands(options, derived, current if self.policy.source == "online" else None,
-                                   tau_log_var=tau_log_var)
+                                          tau_log_var=tau_log_var)
             explore = self._explore_rows(derived, options, tau_log_var)
             table = PolicyTable(rows=derived.rows, explore=explore,
                                 explore_period=self.settings.explore_period if explore else 0, bands=bands)

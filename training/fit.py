@@ -89,6 +89,11 @@ class TableFitter:
         # per context band of the last ctx_bands: (band index, its options, its choice per batch size)
         self.band_choices_: list[tuple[int, list[cmpolicy.Option], list[Config]]] = []
 
+    def forget_band_choices(self) -> None:
+        """A refit that chooses no bands must not explore by the last ones (their summary stays for
+        `policy show` while the table keeps its bands)."""
+        self.band_choices_ = []
+
     def candidates(self) -> list[Config]:
         if self.settings.candidates is not None:
             return sorted(set(self.settings.candidates))  # exactly the engines' runtime states

@@ -13,7 +13,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 
 import numpy as np
 
-from ..policies.table import Config
+from ..policies.table import OFF, Config
 
 PROFILE_SCHEMA = "specctl.profile/1"
 WORKLOAD_SCHEMA = "specctl.workload/1"
@@ -174,7 +174,7 @@ def parse_profile(obj: Any, source: str = "<profile>") -> Profile:
         if cfg[0] < 0 or cfg[1] < 1 or cfg[2] < 1:
             raise bad(f"{where} has steps < 0, topk < 1 or draft_tokens < 1: {dict(c)}")
         if cfg[0] == 0:
-            cfg = (0, 1, 1)
+            cfg = OFF
         if cfg in configs:
             raise bad(f"{where} repeats configuration {cfg} of {names[configs.index(cfg)]!r}")
         pts_raw = step_obj.get(name)

@@ -12,7 +12,7 @@ from typing import Any, Callable, Optional, Protocol, Sequence
 
 import numpy as np
 
-from ..policies.table import Config, config_name
+from ..policies.table import OFF, Config, config_name
 
 # the inputs' types and loaders, imported from here by the benches, the CLI and the tests
 from .simfiles import (Phase, Profile, SimFileError, Workload, load_profile, load_workload,  # noqa: F401
@@ -258,7 +258,7 @@ def simulate(profile: Profile, workload: Workload, policy: SimPolicy, *,
     cls_count = np.zeros(n_cls, dtype=np.int64)
     comp_version = 0  # bumped when the batch's class composition changes
     truth_key: tuple[int, int] = (-1, -1)
-    truth_cfg: Config = (0, 1, 1)
+    truth_cfg: Config = OFF
 
     ends = [float(e) for e in np.cumsum([p.duration_s for p in workload.phases])]
     total_s = ends[-1]

@@ -5,7 +5,7 @@ import os
 import re
 import statistics as st
 
-from specctl.policies.table import config_name  # noqa: F401 (the one definition of configuration names)
+from specctl.policies.table import OFF, config_name  # the one vocabulary of configurations
 
 R_RUN = re.compile(r"#running-req: (\d+)")
 R_TOK = re.compile(r"#(?:full )?token: (\d+)")  # KV tokens in use: the running requests' context
@@ -713,7 +713,7 @@ def path_profiles(runs, name, max_level=None):
                 del step_ms[n]
                 loose[n] = lo
                 continue
-            c = (0, 1, 1) if n == "off" else parse_config(n)
+            c = OFF if n == "off" else parse_config(n)
             configs[n] = dict(zip(("steps", "topk", "draft_tokens"), c))
             if lo:
                 loose[n] = lo
