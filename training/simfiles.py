@@ -13,7 +13,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 
 import numpy as np
 
-from ..policies.table import OFF, Config
+from specctl.policies.table import OFF, Config
 
 PROFILE_SCHEMA = "specctl.profile/1"
 WORKLOAD_SCHEMA = "specctl.workload/1"

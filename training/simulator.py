@@ -12,7 +12,7 @@ from typing import Any, Callable, Optional, Protocol, Sequence
 
 import numpy as np
 
-from ..policies.table import OFF, Config, config_name
+from specctl.policies.table import OFF, Config, config_name
 
 # the inputs' types and loaders, imported from here by the benches, the CLI and the tests
 from .simfiles import (Phase, Profile, SimFileError, Workload, load_profile, load_workload,  # noqa: F401
