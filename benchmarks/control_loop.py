@@ -130,10 +130,10 @@ def bench_refit(n: int = 1_000_000) -> dict:
     for _ in range(5):
         t = time.perf_counter()
         model.refit()
-        svc_opts = [model.predict_step_ms(c, range(1, 1025)) for c in model.configs() if model.has_step_time(c)]
+        [model.predict_step_ms(c, range(1, 1025)) for c in model.configs() if model.has_step_time(c)]
         times.append(time.perf_counter() - t)
     svc = ControllerService(ServiceSettings(), clock=lambda: 2e9)
-    svc.model = model
+    svc.fitter.model = model
     t = time.perf_counter()
     svc.refit()
     full = time.perf_counter() - t

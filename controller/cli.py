@@ -369,14 +369,12 @@ def keys_generate(directory: str, name: str) -> None:
     click.echo(f"public: {pub}\nsecret: {sec}")
 
 
-# Sub-commands that live in their own modules (each a thin layer over its package).
-from .cli_bench import bench, demo  # noqa: E402
-from .cli_reliability import reliability  # noqa: E402
+# Sub-commands that live in their own modules (each a thin layer over its package). The benchmark
+# and demo commands are the harness's: specctl.harness.cli adds them to this group.
 from .cli_sglang import sglang_args  # noqa: E402
 from .cli_train import train  # noqa: E402
 
-bench.add_command(reliability)
-for _cmd in (bench, demo, sglang_args, train):
+for _cmd in (sglang_args, train):
     main.add_command(_cmd)
 
 

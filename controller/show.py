@@ -74,8 +74,6 @@ def render(policy: wire.PolicyRecord, *, now: Optional[float] = None) -> str:
         lines += _band_lines(banded, m)
     if policy.explore:
         lines.append(f"exploring 1 step in {policy.explore_period}: {_ranges(policy.explore)}")
-    if policy.challenge:
-        lines.append(f"challenging 1 step in {policy.challenge_period}: {_ranges(policy.challenge)}")
     cfgs = m.get("configs") or {}
     if cfgs:
         parts = []

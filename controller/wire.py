@@ -26,6 +26,10 @@ from pydantic import (
     model_validator,
 )
 
+from ..policies import table
+# the one vocabulary (policies.table): configuration names, re-exported for wire's users
+from ..policies.table import config_name, config_to_obj  # noqa: F401
+
 SCHEMA_VERSION = 1
 MAX_BATCH_SIZE = 65536  # bounds every per-request list on the wire
 MAX_STEPS = 64
@@ -97,17 +101,7 @@ class SpecConfig(_Strict):
         return self.steps == 0
 
 
-OFF = SpecConfig(steps=0, topk=1, draft_tokens=1)
-
-
-def config_name(key: tuple[int, int, int]) -> str:
-    """Canonical short name: `off`, `s3` for a chain, `s2k4n16` for a tree."""
-    steps, topk, draft = key
-    if steps == 0:
-        return "off"
-    if topk == 1:
-        return f"s{steps}"
-    return f"s{steps}k{topk}n{draft}"
+OFF = SpecConfig(**config_to_obj(table.OFF))  # the table's OFF, validated as a wire record
 
 
 def parse_config(text: str) -> SpecConfig:
@@ -207,11 +201,10 @@ class PolicyRecord(_Versioned):
 
     `explore` (optional) lists batch-size ranges where a configuration is worth measuring (the
     daemon's exploration rule); the engine uses it on one step in `explore_period`, chosen by its
-    step counter (same on every TP rank). `challenge` (optional; written by daemons before the one
-    exploration rule, still honoured) lists ranges used likewise on one step in `challenge_period`
-    (those steps the exploration rows leave).
+    step counter (same on every TP rank). `challenge` / `challenge_period`: written by daemons
+    before the one exploration rule; accepted (still validated) and ignored.
     `table` rows naming `min_ctx` / `max_ctx` form context bands (see check_table_covers); an
-    exploring or challenging row naming them covers only batches of that mean context.
+    exploring row naming them covers only batches of that mean context.
     """
 
     kind: Literal["policy"] = "policy"
@@ -232,7 +225,7 @@ class PolicyRecord(_Versioned):
 
     def configs(self) -> list[SpecConfig]:
         seen: dict[tuple[int, int, int], SpecConfig] = {}
-        for row in list(self.table) + list(self.explore or []) + list(self.challenge or []):
+        for row in list(self.table) + list(self.explore or []):
             seen.setdefault(row.config.key, row.config)
         return list(seen.values())
 

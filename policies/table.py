@@ -138,10 +138,7 @@ class PolicyTable:
 
     `explore` rows name (range, config) pairs the controller wants measured; `decide` uses one of
     them on the steps where `step_counter % explore_period == 0`, so every TP rank, counting the
-    same steps, makes the same choice with no random draw. `challenge` rows (a configuration
-    that looks better than the table's choice in a range, by less than the controller can tell
-    from noise) are used likewise on the other steps where `step_counter % challenge_period ==
-    0`.
+    same steps, makes the same choice with no random draw.
 
     `bands` (optional, sorted, disjoint): per range of mean context tokens per request, rows used
     instead of `rows` for a batch whose context is known and falls in the band; `rows` serve the
@@ -151,8 +148,6 @@ class PolicyTable:
     rows: tuple[Row, ...]
     explore: tuple[Row, ...] = ()
     explore_period: int = 0
-    challenge: tuple[Row, ...] = ()
-    challenge_period: int = 0
     version: int = 0
     source: str = "fixed"
     bands: tuple[Band, ...] = ()
@@ -169,7 +164,7 @@ class PolicyTable:
         object.__setattr__(self, "_band_lo", tuple(b.min_ctx for b in self.bands))
         object.__setattr__(self, "_band_starts", tuple(tuple(r.min_batch for r in b.rows) for b in self.bands))
         object.__setattr__(self, "uses_ctx", bool(self.bands) or any(
-            r.min_ctx is not None or r.max_ctx is not None for r in self.explore + self.challenge))
+            r.min_ctx is not None or r.max_ctx is not None for r in self.explore))
 
     @classmethod
     def from_rows(cls, rows: Iterable[tuple[int, Optional[int], Config]], **kw: Any) -> "PolicyTable":
@@ -181,8 +176,6 @@ class PolicyTable:
         rows, bands = split_table_obj(obj["table"])
         return cls(rows=rows, explore=rows_from_obj(obj.get("explore") or ()),
                    explore_period=int(obj.get("explore_period") or 0),
-                   challenge=rows_from_obj(obj.get("challenge") or ()),
-                   challenge_period=int(obj.get("challenge_period") or 0),
                    version=int(obj.get("version", 0)), source=str(obj.get("source", "file")),
                    bands=bands)
 
@@ -215,15 +208,11 @@ class PolicyTable:
             c = _rotate(self.explore, self.explore_period, batch_size, step_counter, ctx_tokens)
             if c is not None:
                 return c
-        if self.challenge and self.challenge_period > 0 and step_counter % self.challenge_period == 0:
-            c = _rotate(self.challenge, self.challenge_period, batch_size, step_counter, ctx_tokens)
-            if c is not None:
-                return c
         return self.lookup(batch_size, ctx_tokens)
 
     def configs(self) -> list[Config]:
         out: list[Config] = []
-        for r in self.rows + self.explore + self.challenge + tuple(r for b in self.bands for r in b.rows):
+        for r in self.rows + self.explore + tuple(r for b in self.bands for r in b.rows):
             if r.config not in out:
                 out.append(r.config)
         return out

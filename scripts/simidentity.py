@@ -17,7 +17,7 @@ import sys
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
-from specctl.training import simbench
+from specctl.harness import simbench
 from specctl.training.simulator import load_profile, load_workload, shipped_names
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import logging
 
-from specctl.training import simbench
+from specctl.harness import simbench
 from specctl.training.simulator import load_profile, load_workload, shipped_names
 
 ROOT = Path(__file__).resolve().parent.parent

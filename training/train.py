@@ -1,9 +1,10 @@
-"""`specctl train`: the daemon's cost model (same `ControllerService` path, no time decay) fitted to
+"""`specctl train`: the daemon's cost model and table rule (training.fit, no time decay) fitted to
 benchmark logs of any mix of formats, then the policy table; bench_serving sweeps pin the best
 MEASURED configuration at every swept concurrency."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from collections import deque
@@ -17,6 +18,7 @@ from ..controller import wire
 from ..policies import costmodel as cmpolicy
 from ..policies.table import OFF, Config, PolicyTable, config_name, rows_from_choices
 from .costmodel import Sample
+from .fit import FitSettings, TableFitter
 from .readers import BenchPoint, FileReport, Progress, expand_inputs, read_file
 
 DEFAULT_MIN_STEPS = 32.0  # decode steps that make a batch-size range "measured" for a config
@@ -93,21 +95,16 @@ class _Collector:
         return sorted(b for (k, b) in self.weight if k == c)
 
 
-def _service(max_batch: int, candidates: Optional[Sequence[Config]], clock: Callable[[], float],
-             ctx_axis: bool = True):
-    import dataclasses
-
-    from ..controller.service import ControllerService, ServiceSettings
-
+def _fitter(max_batch: int, candidates: Optional[Sequence[Config]], ctx_axis: bool = True) -> TableFitter:
     kw: dict[str, Any] = dict(
-        mode="online", explore_period=0, max_batch=max_batch,
+        explore_period=0, max_batch=max_batch,
         candidates=tuple(tuple(c) for c in candidates) if candidates else None, ctx_axis=ctx_axis,
     )
     # offline, every logged step and request counts the same: no time decay of any memory
-    for f in dataclasses.fields(ServiceSettings):
+    for f in dataclasses.fields(FitSettings):
         if f.name.endswith("half_life_s"):
             kw[f.name] = math.inf
-    return ControllerService(ServiceSettings(**kw), clock=clock)
+    return TableFitter(FitSettings(**kw))
 
 
 def _evidence_problem(options: list[cmpolicy.Option]) -> Optional[str]:
@@ -222,8 +219,8 @@ def train(inputs: Sequence[str | Path], *, max_batch: int = 1024,
     report = TrainReport()
     files, missing_files = expand_inputs(inputs)
     report.files.extend(missing_files)
-    svc = _service(max_batch, candidates, clock, ctx_axis)
-    col = _Collector(svc.model.observe)
+    fitter = _fitter(max_batch, candidates, ctx_axis)
+    col = _Collector(fitter.model.observe)
     points: list[BenchPoint] = []
     for path in files:
         fr = FileReport(path=str(path))
@@ -247,20 +244,19 @@ def train(inputs: Sequence[str | Path], *, max_batch: int = 1024,
         report.missing.append("no usable samples in the inputs (see the per-file report)")
         return None, report
 
-    svc.refit()
-    mb = svc.table_max_batch()
-    options = svc.options(mb)
+    fitter.model.refit()
+    options = fitter.options(fitter.table_max_batch())
     problem = _evidence_problem(options)
     if problem is not None:
         report.missing.append(problem)
         return None, report
     # the daemon's choice (with its near-tie merging margin), no previous table to stick to
-    choices = cmpolicy.choose(options, None, svc.settings.margin)
+    choices = cmpolicy.choose(options, None, fitter.settings.margin)
     report.curves = {o.config: (o.tokens_per_step, o.step_ms) for o in options}
     if points:
         choices = _bench_override(choices, options, points, report)
     table = PolicyTable(rows=rows_from_choices(choices), source="file")
-    bands = svc.ctx_bands(options, table, z=0.0)  # chosen as the rows for any context are
+    bands = fitter.ctx_bands(options, table, z=0.0)  # chosen as the rows for any context are
     table = PolicyTable(rows=table.rows, bands=bands, source="file")
     report.ctx_bands = [(b.min_ctx, b.max_ctx, b.rows) for b in bands]
     report.crossover = table.spec_off_crossover()
@@ -268,12 +264,11 @@ def train(inputs: Sequence[str | Path], *, max_batch: int = 1024,
     if report.missing:
         return None, report
 
-    summary = dict(svc.policy.model)
+    summary = fitter.model_summary(options)
     summary["evidence"] = "ok"
     summary["spec_off_crossover"] = report.crossover
-    summary.pop("ctx_bands", None)
     if bands:
-        summary["ctx_bands"] = svc.band_summary
+        summary["ctx_bands"] = fitter.band_summary_
     summary["training"] = {
         "inputs": [f.path for f in report.files],
         "samples": report.num_samples,

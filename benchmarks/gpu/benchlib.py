@@ -1,9 +1,11 @@
-"""Pure helpers of the GPU runner (stdlib only; tested on CPU in tests/gpu/)."""
+"""Pure helpers of the GPU runner (stdlib and specctl's vocabulary only; tested on CPU in tests/gpu/)."""
 import bisect
 import json
 import os
 import re
 import statistics as st
+
+from specctl.policies.table import OFF, config_name  # the one vocabulary of configurations
 
 R_RUN = re.compile(r"#running-req: (\d+)")
 R_TOK = re.compile(r"#(?:full )?token: (\d+)")  # KV tokens in use: the running requests' context
@@ -156,10 +158,6 @@ def _parse_policy(pol):
             raise ValueError(f"{pol!r}: threshold too small (SGLang's slots need T >= 2; the plugin's T >= 1)")
         return p
     raise ValueError(f"unknown policy {pol!r}")
-
-
-def config_name(c):
-    return "off" if c[0] == 0 else f"s{c[0]}" if c[1] == 1 else f"s{c[0]}k{c[1]}n{c[2]}"
 
 
 def daemon_configs(p):
@@ -715,7 +713,7 @@ def path_profiles(runs, name, max_level=None):
                 del step_ms[n]
                 loose[n] = lo
                 continue
-            c = (0, 1, 1) if n == "off" else parse_config(n)
+            c = OFF if n == "off" else parse_config(n)
             configs[n] = dict(zip(("steps", "topk", "draft_tokens"), c))
             if lo:
                 loose[n] = lo

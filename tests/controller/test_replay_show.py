@@ -79,10 +79,9 @@ def test_render_and_plot(tmp_path):
     show.plot(svc.policy, str(png))
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     rows = [{"min_batch": 8, "max_batch": 15, "config": {"steps": 1, "topk": 1, "draft_tokens": 2}}]
-    pol = wire.policy_from_obj({**wire.to_obj(svc.policy), "explore": rows, "explore_period": 64,
-                                "challenge": rows, "challenge_period": 16})
+    pol = wire.policy_from_obj({**wire.to_obj(svc.policy), "explore": rows, "explore_period": 64})
     text = show.render(pol, now=2e9 + 30)
-    assert "exploring 1 step in 64: s1@8-15" in text and "challenging 1 step in 16: s1@8-15" in text
+    assert "exploring 1 step in 64: s1@8-15" in text
 
 
 def test_render_and_plot_a_policy_with_context_bands(tmp_path):

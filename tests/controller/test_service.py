@@ -267,7 +267,7 @@ def test_a_step_time_curve_is_trusted_up_to_twice_its_largest_measured_batch():
     feed(svc, clock, GroundTruth((s3,)), 3000, [1, 2, 4, 8, 16, 32], seed=1)
     clock.t += 1
     svc.tick()
-    trust = {o.config: o.trust() for o in svc.options(128)}
+    trust = {o.config: o.trust() for o in svc.fitter.options(128)}
     assert trust[(0, 1, 1)][31] and not trust[(0, 1, 1)][32]  # b = 32 yes, 33 no
     assert trust[(3, 1, 4)][63] and not trust[(3, 1, 4)][64]
 
@@ -329,7 +329,7 @@ def test_a_flood_of_distinct_configurations_is_bounded():
                 assert svc.observe_frame(json.dumps(rec).encode())
     clock.t += 1
     svc.tick()  # no exception: candidates and explore rows are capped
-    assert len(svc.candidates()) <= 17
+    assert len(svc.fitter.candidates()) <= 17
     assert len(svc.policy.explore or []) <= 256
 
 
@@ -591,7 +591,6 @@ def test_a_configuration_held_back_by_the_tolerance_keeps_being_measured(cv, acc
     assert table(svc).lookup(4) == {"off": off, "s1": s1}[table_at_4]
     rows = [(r.min_batch, r.max_batch, r.config.key) for r in (svc.policy.explore or [])]
     assert ((4, 7, s1) in rows) == measured and (4, 7, off) not in rows, rows
-    assert svc.policy.challenge is None
 
 
 # ------------------------------------------------------------------------- context bands

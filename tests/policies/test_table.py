@@ -64,34 +64,6 @@ def test_exploration_is_deterministic_and_bounded():
     assert static(S1).lookup(999) == S1
 
 
-@pytest.mark.parametrize("batch, step, expect", [
-    (10, 0, S1),       # step 0 % 64: an exploring step, the exploration row covers 10
-    (10, 16, S3),      # 16 % 16: a challenging step, the challenge row covers 10
-    (10, 17, OFF),     # neither: the table
-    (10, 64, S1),      # exploring steps keep precedence
-    (3, 0, S3),        # no exploration row at 3, and no challenge at 3 either: the table's s3
-    (3, 16, S3),
-    (20, 32, S3),      # a challenge row at 16-31; no exploration row there
-    (20, 64, S3),      # an exploring step with no exploration row at 20 is a challenging step
-    (40, 16, OFF),     # nothing covers 40
-])
-def test_challenging_steps_come_from_the_steps_exploring_leaves(batch, step, expect):
-    t = PolicyTable(rows=(Row(1, 4, S3), Row(5, None, OFF)), explore=(Row(8, 15, S1),), explore_period=64,
-                    challenge=(Row(8, 15, S3), Row(16, 31, S3)), challenge_period=16)
-    assert t.decide(batch, step) == expect
-    # challenge_period 0: exploring steps and the table only
-    plain = PolicyTable(rows=t.rows, explore=t.explore, explore_period=64, challenge=t.challenge)
-    assert plain.decide(batch, step) == (S1 if step % 64 == 0 and 8 <= batch <= 15 else t.lookup(batch))
-
-
-def test_challengers_rotate_and_every_rank_agrees():
-    t = PolicyTable(rows=(Row(1, None, OFF),), challenge=(Row(1, 7, S1), Row(1, 7, S3)), challenge_period=16)
-    picks = [t.decide(4, step) for step in range(16 * 100)]
-    assert picks.count(S1) == picks.count(S3) == 50 and picks.count(OFF) == 1500
-    assert picks == [t.decide(4, step) for step in range(16 * 100)]
-    assert t.configs() == [OFF, S1, S3]
-
-
 # ------------------------------------------------------------------------- context bands
 
 BANDED = PolicyTable(rows=(Row(1, 20, S3), Row(21, None, OFF)),
@@ -180,4 +152,3 @@ def test_a_table_uses_the_context_where_a_band_or_a_banded_row_does():
     assert not PolicyTable(rows=BANDED.rows).uses_ctx and BANDED.uses_ctx
     assert PolicyTable(rows=BANDED.rows, explore=(Row(1, None, S1, min_ctx=512),), explore_period=64).uses_ctx
     assert not PolicyTable(rows=BANDED.rows, explore=(Row(1, None, S1),), explore_period=64).uses_ctx
-    assert PolicyTable(rows=BANDED.rows, challenge=(Row(1, 4, S1, max_ctx=100),), challenge_period=16).uses_ctx

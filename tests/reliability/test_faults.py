@@ -1,17 +1,17 @@
 """Faults with real processes and sockets: SIGKILL during state writes, the daemon absent at engine
 start, killed and restarted under a running engine, frozen (SIGSTOP: stops reading and
-publishing). The drills live in specctl.controller.reliability (the benchmark runs them longer)."""
+publishing). The drills live in specctl.harness.drills (the benchmark runs them longer)."""
 
 import json
 import subprocess
 import sys
 
-from specctl.controller import reliability
+from specctl.harness import drills
 from specctl.controller.state import StateStore
 
 
 def test_sigkill_during_state_writes_always_recovers_the_last_good_policy(tmp_path):
-    r = reliability.kill_during_write(tmp_path / "state", num_kills=200, seed=1)
+    r = drills.kill_during_write(tmp_path / "state", num_kills=200, seed=1)
     assert r["failures"] == [] and r["survived"] == 200
     assert r["state_writes_completed"] > 0  # some writes finished, so versions moved on
     assert r["kills_mid_temp_file"] > 20  # and many kills landed inside a write
@@ -19,8 +19,8 @@ def test_sigkill_during_state_writes_always_recovers_the_last_good_policy(tmp_pa
 
 def test_torn_and_garbage_state_files_fall_back_to_the_previous_copy(tmp_path):
     store = StateStore(tmp_path)
-    store.save_policy(reliability.policy_for_version(4))
-    store.save_policy(reliability.policy_for_version(5))
+    store.save_policy(drills.policy_for_version(4))
+    store.save_policy(drills.policy_for_version(5))
     good = (tmp_path / "policy.json").read_bytes()
     for damage in (good[: len(good) // 2], b"", b"\x00" * 64, good.replace(b'"schema":1', b'"schema":2'),
                    json.dumps({**json.loads(good), "table": []}).encode()):
@@ -39,7 +39,7 @@ def test_torn_and_garbage_state_files_fall_back_to_the_previous_copy(tmp_path):
 
 
 def test_engine_started_before_the_daemon_falls_back_then_follows_it(tmp_path, zctx):
-    r = reliability.engine_without_daemon(tmp_path, ctx=zctx, absent_s=0.8)
+    r = drills.engine_without_daemon(tmp_path, ctx=zctx, absent_s=0.8)
     assert r["source_without_daemon"] == "fallback" and "no daemon" in r["fallback_reason"]
     assert r["frames_dropped_without_daemon"] == r["steps_without_daemon"] > 0
     # how soon is the benchmark's figure (`specctl bench reliability`); here: that it happens
@@ -47,7 +47,7 @@ def test_engine_started_before_the_daemon_falls_back_then_follows_it(tmp_path, z
 
 
 def test_daemon_killed_and_restarted_under_a_running_engine(tmp_path, zctx):
-    r = reliability.daemon_restart(tmp_path, ctx=zctx, stale_after_s=0.6)
+    r = drills.daemon_restart(tmp_path, ctx=zctx, stale_after_s=0.6)
     assert r["survived"], r
     assert r["engine_kept_stepping"]
     # the silence made the engine fall back (the timing of that rule: tests/plugin/test_engine.py,
@@ -61,7 +61,7 @@ def test_daemon_killed_and_restarted_under_a_running_engine(tmp_path, zctx):
 def _drill_in_a_process_of_its_own(call: str) -> dict:
     """The engine side in a fresh interpreter, as in an SGLang scheduler process: no thread of the
     test runner can make one of its steps wait for the GIL."""
-    code = f"import json; from specctl.controller import reliability; print(json.dumps(reliability.{call}))"
+    code = f"import json; from specctl.harness import drills; print(json.dumps(drills.{call}))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.splitlines()[-1])

@@ -6,15 +6,16 @@ import pytest
 
 pytest.importorskip("hypothesis")
 
-from specctl.controller import reliability  # noqa: E402
+from specctl.controller import wire  # noqa: E402
+from specctl.harness import drills, fuzz  # noqa: E402
 
 CI_CASES = 200
 
 
-@pytest.mark.parametrize("target", sorted(reliability.FUZZ_TARGETS))
+@pytest.mark.parametrize("target", sorted(fuzz.FUZZ_TARGETS))
 def test_hostile_input_is_rejected_never_crashes(target, tmp_path):
     kw = {"workdir": str(tmp_path)} if target not in ("wire", "engine_policy") else {}
-    r = reliability.FUZZ_TARGETS[target](CI_CASES, seed=11, **kw)
+    r = fuzz.FUZZ_TARGETS[target](CI_CASES, seed=11, **kw)
     assert r["crashes"] == 0 and r["violations"] == 0, r["examples"]
     assert r["tried"] == CI_CASES
     assert r["rejected"] > 0 and r["accepted"] > 0 or target == "sglang_logs", r
@@ -24,16 +25,15 @@ def test_hostile_input_is_rejected_never_crashes(target, tmp_path):
 def test_engine_refuses_a_policy_naming_a_step_count_without_runtime_state():
     from specctl.plugin.engine import EngineController
 
-    eng = EngineController(reliability._settings(policy_endpoint="ipc:///x", sync_every=1),
+    eng = EngineController(drills._settings(policy_endpoint="ipc:///x", sync_every=1),
                            candidate_steps=(0, 1, 3))
-    good = reliability.policy_for_version(5)
-    eng.offer_policy_frame(reliability.wire.encode(good))
+    good = drills.policy_for_version(5)
+    eng.offer_policy_frame(wire.encode(good))
     eng.note_result() and eng.sync()
     assert eng.active_version == 5
     bad = good.model_copy(update={"version": 6, "table": [
-        reliability.wire.TableEntry(min_batch=1, max_batch=None,
-                                    config=reliability.wire.parse_config("s2"))]})
-    assert eng.offer_policy_frame(reliability.wire.encode(bad)) is None
+        wire.TableEntry(min_batch=1, max_batch=None, config=wire.parse_config("s2"))]})
+    assert eng.offer_policy_frame(wire.encode(bad)) is None
     eng.note_result() and eng.sync()
     assert eng.active_source == "fallback" and "steps=2" in eng.fallback_reason
     assert {eng.decide(b) for b in range(1, 100)} <= {0, 1, 3}
@@ -78,4 +78,4 @@ def test_a_refit_that_raises_does_not_end_the_daemon():
     beat = safe_tick(svc)
     assert getattr(svc, "num_tick_errors", 0) >= 1  # the refit did fail (else this proves nothing)
     assert beat is not None and beat.table == before.table  # still serving the policy in force
-    reliability._check_policy(svc.policy)
+    fuzz._check_policy(svc.policy)

@@ -12,7 +12,8 @@ import zmq
 
 from specctl.controller import transport, wire
 from specctl.controller.daemon import Daemon, Endpoints
-from specctl.controller.reliability import free_port, generate_certs
+from specctl.harness.drills import free_port
+from specctl.harness.load import generate_certs
 from specctl.controller.service import ControllerService, ServiceSettings
 
 CLI = [sys.executable, "-m", "specctl.controller.cli"]

@@ -177,6 +177,9 @@ def test_state_round_trip():
         assert m2.tokens_per_step(c) == pytest.approx(m.tokens_per_step(c))
     with pytest.raises(ValueError):
         CostModel().set_state({"kind": "other"})
+    # a state written while the model kept gap cells (an experiment since removed) still loads
+    old = {**m.get_state(), "gaps": [[[0, 1, 1], 16, 40, 40.0, 120.0, 2, 900.0]]}
+    np.testing.assert_allclose(CostModel().set_state(old).predict_step_ms(S3, b), m.predict_step_ms(S3, b))
 
 
 def _left_then_probed(probes, steady_after=0):

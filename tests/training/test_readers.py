@@ -366,11 +366,11 @@ def test_plain_jsonl_with_a_cut_last_line(tmp_path):
 
 
 def test_a_huge_garbage_line_is_skipped_not_loaded(tmp_path, monkeypatch):
-    import specctl.training.readers as readers
-    monkeypatch.setattr(readers, "MAX_LINE_BYTES", 1000)
-    lines = gzip.decompress((FIX / "telemetry-synth.jsonl.gz").read_bytes()).decode().splitlines()[:20]
+    import specctl.training.lines as lines  # iter_lines, which every reader reads through
+    monkeypatch.setattr(lines, "MAX_LINE_BYTES", 1000)
+    recs = gzip.decompress((FIX / "telemetry-synth.jsonl.gz").read_bytes()).decode().splitlines()[:20]
     p = tmp_path / "t.jsonl"
-    p.write_text("\n".join(lines[:5] + ["x" * 5000] + lines[5:]) + "\n")
+    p.write_text("\n".join(recs[:5] + ["x" * 5000] + recs[5:]) + "\n")
     samples, rep = read(p)
     assert rep.skipped["line_too_long"] == 1 and rep.examples["line_too_long"][0][0] == 6
     assert len(samples) == 19

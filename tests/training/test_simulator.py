@@ -9,7 +9,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from specctl.training.simbench import AdaptivePolicy, make_policy
+from specctl.harness.simbench import AdaptivePolicy, make_policy
 from specctl.training.simulator import (
     SimFileError,
     accept_matrix,
@@ -225,7 +225,7 @@ def test_adaptive_runs_the_real_controller_and_engine(caplog):
 def test_a_warm_adaptive_serves_calibration_traffic_first_on_the_same_controller(caplog):
     """adaptive:warm_s=N: the engine and daemon first serve N s of a concurrency sweep (the workload's
     classes, an even mix, another seed), then the workload on a clock that continues from there."""
-    from specctl.training.simbench import calibration_workload
+    from specctl.harness.simbench import calibration_workload
 
     caplog.set_level(logging.ERROR)
     prof, wl = load_profile("dense-8b-h200"), load_workload("ramp")

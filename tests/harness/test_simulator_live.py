@@ -10,7 +10,7 @@ import zmq
 from specctl.controller import transport
 from specctl.controller.daemon import Daemon, Endpoints, wait_for_status
 from specctl.controller.service import ControllerService, ServiceSettings
-from specctl.training.simbench import LiveAdaptivePolicy
+from specctl.harness.simbench import LiveAdaptivePolicy
 from specctl.training.simulator import load_profile, load_workload, simulate
 
 

@@ -5,7 +5,7 @@ import json
 import pytest
 from click.testing import CliRunner
 
-from specctl.controller.cli import main
+from specctl.harness.cli import main
 
 WORKLOAD = {"schema": "specctl.workload/1", "seed": 2,
             "classes": {"code": {"accept": {"s1": [0.85], "s3": [0.85, 0.8, 0.75]}, "output_tokens": [64, 128]},
@@ -97,7 +97,7 @@ def test_demo_runs_live_and_says_one_verdict_against_the_operators_threshold(tmp
 
 
 def test_verdict_states_every_ratio_and_legends_say_what_a_policy_does():
-    from specctl.training import simbench
+    from specctl.harness import simbench
     from specctl.training.simulator import load_profile, parse_workload
 
     prof, wl = load_profile("moe-1t-int4-tp8-pcie"), parse_workload(WORKLOAD)

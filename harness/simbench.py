@@ -16,7 +16,7 @@ import numpy as np
 
 from ..policies.baselines import PolicyName, build_baseline, parse_policy_name
 from ..policies.table import OFF, Config, config_name
-from .simulator import Phase, Profile, SimResult, Workload, simulate
+from ..training.simulator import Phase, Profile, SimResult, Workload, simulate
 
 SEARCH_THRESHOLDS = (2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48, 64, 80, 96, 128, 192, 256)
 

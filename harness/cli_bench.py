@@ -78,7 +78,7 @@ def bench_sim(profile_name: Optional[str], workload_name: Optional[str], policie
               jobs: int, list_only: bool) -> None:
     """Run policies on one seeded simulated workload; print tokens/s, TPOT and the oracle ratio."""
     from ..policies.baselines import parse_policy_name
-    from ..training import simbench
+    from . import simbench
     from ..training.simulator import shipped_names
 
     if list_only:
@@ -189,7 +189,7 @@ class _LiveView:
 
 def _run_live(profile: Any, workload: Any, telemetry: str, policy_ep: str, *, seed: Optional[int] = None,
               show: bool = True) -> Any:
-    from ..training.simbench import LiveAdaptivePolicy
+    from .simbench import LiveAdaptivePolicy
     from ..training.simulator import simulate
 
     view = _LiveView(profile, workload)
@@ -223,7 +223,7 @@ def demo(profile_name: str, workload_name: str, plot_out: str, json_out: Optiona
     ramping up, a mixed surge and chat ramping down (code-chat-ramp). The dense 8B profile of earlier
     demos: --profile dense-8b-h200 --workload demo."""
     from ..controller.daemon import wait_for_status
-    from ..training import simbench
+    from . import simbench
 
     profile, workload = _load(profile_name, workload_name)
     _quiet_engine_logs()

@@ -23,7 +23,7 @@ import click
 def reliability(kills: int, fuzz_cases: int, load_seconds: float, compare_seconds: float,
                 json_out: str, doc_out: str) -> None:
     """Inject faults, flood the daemon, fuzz every input; write the JSON record and the doc."""
-    from ..controller import reliability as rel
+    from . import reliability as rel
 
     rec = rel.run_all(kills=kills, fuzz_cases=fuzz_cases, load_s=load_seconds,
                       load_compare_s=compare_seconds, progress=lambda m: click.echo(m, err=True))

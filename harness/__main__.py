@@ -1,0 +1,5 @@
+"""`python -m specctl.harness ...` is the `specctl` console script."""
+
+from .cli import main
+
+main()
