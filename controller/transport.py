@@ -35,7 +35,7 @@ import zmq
 DEFAULT_TELEMETRY_HWM = 10_000
 # per connected engine (ZeroMQ queues per pipe): a daemon that falls behind holds at most
 # engines x (this + the engine's SNDHWM) frames (~1.8 GB measured for 64 engines), then engines
-# drop; `--shed-when-behind` keeps queues short instead (docs/reliability.md)
+# drop; `--shed-when-behind` keeps queues short instead (benchmarks/results/reliability.md)
 DEFAULT_INGEST_HWM = 20_000
 
 log = logging.getLogger("specctl.transport")

@@ -18,8 +18,9 @@ import click
 @click.option("--compare-seconds", default=20.0, show_default=True, type=click.FloatRange(min=0),
               help="The same load with shedding off (0: skip).")
 @click.option("--json", "json_out", default="benchmarks/results/reliability.json", show_default=True,
-              type=click.Path(dir_okay=False))
-@click.option("--doc", "doc_out", default="docs/reliability.md", show_default=True, type=click.Path(dir_okay=False))
+              type=click.Path(dir_okay=False), help="Where the JSON record goes.")
+@click.option("--doc", "doc_out", default="benchmarks/results/reliability.md", show_default=True,
+              type=click.Path(dir_okay=False), help="Where the record's Markdown page goes.")
 def reliability(kills: int, fuzz_cases: int, load_seconds: float, compare_seconds: float,
                 json_out: str, doc_out: str) -> None:
     """Inject faults, flood the daemon, fuzz every input; write the JSON record and the doc."""

@@ -1,5 +1,5 @@
 """`specctl bench reliability`: every drill (harness.drills, harness.load, harness.fuzz) benchmark-sized,
-as a JSON record (`run_all`) and docs/reliability.md (`render_markdown`)."""
+as a JSON record (`run_all`) and its Markdown page, benchmarks/results/reliability.md (`render_markdown`)."""
 
 from __future__ import annotations
 
