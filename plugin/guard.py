@@ -18,7 +18,7 @@ AROUND, BEFORE, AFTER, REPLACE = "AROUND", "BEFORE", "AFTER", "REPLACE"
 class Patch:
     """One SGLang patch: its hooks, what it built (`obj`, published by `build`) and whether it is on.
 
-    `mode`: "on" or "check" (the patch compares its answer with SGLang's for a while).
+    `lost`: what the server does without it. `mode`: "on" or "check" (the patch compares its answer with SGLang's for a while).
     `must_run`: its hooks keep widths consistent, so skipping them would hand SGLang a state it fails on one
     step later: an error there is not skipped; `on_must_run_error(reason)` (the engine's fixed policy, whose
     states are all chains) is called and the error propagates as SGLang's own would.
@@ -28,11 +28,12 @@ class Patch:
     and runs SGLang's path for that step, as each rank did before the guard; the error is logged with the rank.
     """
 
-    def __init__(self, name: str, *, mode: str = "on", must_run: bool = False, collective: bool = False,
-                 on_must_run_error: Optional[Callable[[str], None]] = None):
+    def __init__(self, name: str, *, lost: str = "", mode: str = "on", must_run: bool = False,
+                 collective: bool = False, on_must_run_error: Optional[Callable[[str], None]] = None):
         if mode not in ("on", "check"):
             raise ValueError(f"patch {name}: mode must be on or check, not {mode!r}")
         self.name = name
+        self.lost = lost  # what the server does without it (the start-up check says so)
         self.mode = mode
         self.must_run = must_run
         self.collective = collective

@@ -176,12 +176,15 @@ class PluginRuntime:
         if not trees:
             return {}
         names = ", ".join(config_name(c) for c in trees.values())
-        why = None
-        if self.missing_hooks is None:
+        tree_patches = [p for p in map(self.guard.get, TREE_PATCHES) if p is not None]
+        why = None if tree_patches else "the tree patches are not installed"
+        if why is not None:
+            pass
+        elif self.missing_hooks is None:
             why = "SGLang's hook registry could not be read, so the tree hooks are unverified"
-        elif any(t in self.missing_hooks for t in self.targets.tree_targets()):
-            missing = [t for t in self.targets.tree_targets() if t in self.missing_hooks]
-            why = f"the tree hooks on {', '.join(missing)} did not take effect"
+        elif any(not p.on for p in tree_patches):
+            missing = [t for p in tree_patches for t in dict.fromkeys(p.targets()) if t in self.missing_hooks]
+            why = f"the tree hooks on {', '.join(missing) or '?'} did not take effect"
         elif not set(trees) <= set(candidate_steps):
             why = f"the adaptive config's slots do not list steps {sorted(set(trees) - set(candidate_steps))}"
         elif self.settings.skip_zero_step_draft_extend:
@@ -259,10 +262,12 @@ class PluginRuntime:
         if patched is None:
             self.missing_hooks = None
             return self.hook_problems
-        self.missing_hooks = {t for t in seam if t not in patched} | {t for ts in by_patch.values() for t in ts}
-        self.hook_problems = ([f"hook on {t} did not take effect: {why}" for t, why in seam.items() if t not in patched]
-                              + [f"patch {name}: hooks on {', '.join(ts)} did not take effect (patch off)"
-                                 for name, ts in by_patch.items()])
+        missing = {t: why for t, why in seam.items() if t not in patched}
+        for name, ts in by_patch.items():
+            for t in ts:
+                missing.setdefault(t, self.guard.patches[name].lost)
+        self.missing_hooks = set(missing)
+        self.hook_problems = [f"hook on {t} did not take effect: {why}" for t, why in missing.items()]
         for p in self.hook_problems:
             log.error("specctl: %s (SGLang logged the cause above as 'Failed to apply hooks')", p)
         if not self.hook_problems:

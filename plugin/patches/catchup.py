@@ -41,6 +41,7 @@ from ..guard import AFTER, AROUND, BEFORE, Patch
 from .plain_decode import _attrs
 
 NAME = "catchup"
+LOST = "no draft catch-up: steps 0 extends the draft every step"
 log = logging.getLogger("specctl.plugin")
 
 
@@ -49,7 +50,7 @@ class DraftCatchup:
     that the CPU tests can run it on CPU tensors."""
 
     def __init__(self, *, k: int, worker: Any, torch_mod: Any, patch: Optional[Patch] = None):
-        self.patch = patch if patch is not None else Patch(NAME)
+        self.patch = patch if patch is not None else Patch(NAME, lost=LOST)
         if k < 2:
             raise ValueError(f"SPECCTL_DRAFT_CATCHUP needs a ring of at least 2 steps, not {k}")
         self.k = k
@@ -242,7 +243,7 @@ def build(worker: Any, *, k: int, trees: bool, plain_reason: Optional[str],
           skip_zero_extend: bool = False, patch: Optional[Patch] = None) -> Optional[DraftCatchup]:
     """AFTER init_cuda_graphs, every TP rank: the catch-up, or None with the patch off and the reason logged once.
     Nothing here is collective; the ring of hidden states is allocated at the first steps-0 step."""
-    patch = patch if patch is not None else Patch(NAME)
+    patch = patch if patch is not None else Patch(NAME, lost=LOST)
 
     def make() -> Any:
         why = unsupported_reason(worker, trees=trees, plain_reason=plain_reason, skip_zero_extend=skip_zero_extend)
@@ -267,7 +268,7 @@ def patch(rt: Any) -> Optional[Patch]:
     if not rt.settings.draft_catchup:
         return None
     t = rt.targets
-    p = Patch(NAME)
+    p = Patch(NAME, lost=LOST)
     p.hook(AFTER, t.init_graphs, after_init_graphs)
     p.hook(AROUND, t.extend_decode, around_extend)
     p.hook(BEFORE, t.draft, before_draft)

@@ -14,6 +14,7 @@ from .. import sglang_source
 from ..guard import AROUND, Patch
 
 NAME = "draft_graphs"
+LOST = "every state's draft-extend graph keeps the launch width: steps 0 / s1 / s2 extend eagerly"
 log = logging.getLogger("specctl.plugin")
 
 
@@ -24,7 +25,7 @@ def patch(rt: Any) -> Optional[Patch]:
         log.info("specctl: draft_graphs=on: this SGLang sizes each state's draft-extend graph from the state's own "
                  "width already; nothing to do")
         return None
-    return Patch(NAME).hook(AROUND, rt.targets.draft_width, around_draft_width)
+    return Patch(NAME, lost=LOST).hook(AROUND, rt.targets.draft_width, around_draft_width)
 
 
 def around_draft_width(orig: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:

@@ -25,6 +25,7 @@ from .. import sglang_source
 from ..guard import AROUND, Patch
 
 NAME = "fi_plan"
+LOST = "flashinfer verify plans keep plan()'s blocking device-to-host reads"
 
 log = logging.getLogger("specctl.plugin")
 
@@ -148,7 +149,7 @@ class HostPlan:
 
     def __init__(self, mode: str = "on", *, check_steps: int = 32, pack: Optional[Callable[..., Any]] = None,
                  patch: Optional[Patch] = None):
-        self.patch = patch if patch is not None else Patch(NAME, mode=mode)
+        self.patch = patch if patch is not None else Patch(NAME, lost=LOST, mode=mode)
         self.mode = mode
         self.check_left = check_steps if mode == "check" else 0
         self.num_marked = 0
@@ -416,7 +417,7 @@ def patch(rt: Any) -> Optional[Patch]:
     if field is not None:
         _use_sglang_switch(field, s.fi_verify_host_plan)
         return None
-    p = Patch(NAME, mode=s.fi_verify_host_plan)
+    p = Patch(NAME, lost=LOST, mode=s.fi_verify_host_plan)
     p.publish(HostPlan(s.fi_verify_host_plan, check_steps=s.fi_verify_check_steps, patch=p))
     p.hook(AROUND, rt.targets.fi_out_graph, around_out_graph)
     p.hook(AROUND, rt.targets.fi_begin_forward, around_call_begin_forward)

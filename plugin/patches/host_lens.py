@@ -45,6 +45,7 @@ from ..guard import AROUND, BEFORE, Patch
 from ..settings import CHECK_MODES
 
 NAME = "host_lens"
+LOST = "every step pulls its sequence lengths from the device (SGLang's path)"
 log = logging.getLogger("specctl")
 
 DEFAULT_CHECK_STEPS = 32
@@ -56,7 +57,7 @@ class HostSeqLens:
     decode step's bookkeeping is a few vectorised numpy operations), and its use by the next resolve."""
 
     def __init__(self, mode: str, check_steps: int = DEFAULT_CHECK_STEPS, patch: Optional[Patch] = None):
-        self.patch = patch if patch is not None else Patch(NAME, mode="check" if mode == "check" else "on")
+        self.patch = patch if patch is not None else Patch(NAME, lost=LOST, mode="check" if mode == "check" else "on")
         self.patch.when_off(self._drop)
         if mode not in CHECK_MODES:
             raise ValueError(f"host sequence lengths: mode must be one of {', '.join(CHECK_MODES)}, not {mode!r}")
@@ -302,7 +303,7 @@ def patch(rt: Any) -> Optional[Patch]:
         (log.warning if s.host_seq_lens_set else log.info)("specctl: SPECCTL_PATCHES host_lens=%s: %s",
                                                            s.host_seq_lens, why)
         return None
-    p = Patch(NAME, mode="check" if s.host_seq_lens == "check" else "on")
+    p = Patch(NAME, lost=LOST, mode="check" if s.host_seq_lens == "check" else "on")
     HostSeqLens(s.host_seq_lens, check_steps=s.host_seq_lens_check_steps, patch=p)
     # its copy follows the forward, the publish and the resolve, or none of them (the guard checks all three)
     p.hook(BEFORE, rt.targets.forward, before_forward)

@@ -34,6 +34,7 @@ from .. import runtime as _rt
 from ..guard import AFTER, AROUND, Patch
 
 NAME = "plain_decode"
+LOST = "no decode state: speculation off runs SGLang's 1-token verify"
 log = logging.getLogger("specctl.plugin")
 
 DECODE, VERIFY = "decode", "verify"  # which "off" ran: telemetry's off_path
@@ -45,7 +46,7 @@ class PlainDecode:
 
     def __init__(self, *, runner: Any, backend: Any, forward_batch: Any, decode_mode: Any, full_hidden: Any,
                  build_s: float = 0.0, mem_gb: float = 0.0, logprobs: bool = False, patch: Optional[Patch] = None):
-        self.patch = patch if patch is not None else Patch(NAME, collective=True)
+        self.patch = patch if patch is not None else Patch(NAME, lost=LOST, collective=True)
         self.runner = runner
         # SGLang's ForwardBatch, ForwardMode.DECODE and CaptureHiddenMode.FULL (given, so that the CPU
         # tests, where forward_batch_info does not import, can run the step logic on stand-ins)
@@ -144,7 +145,7 @@ def build(worker: Any, *, agree: Callable[[bool], bool], backends: tuple[str, ..
     """AFTER init_cuda_graphs: capture the decode state's graphs (the decode batch sizes of the launch) with a
     fresh attention backend of the launch's kind, published only if every TP rank built it (`agree`, gloo MIN:
     every rank votes, whatever happened). None when it cannot run here; the patch is then off, said once."""
-    patch = patch if patch is not None else Patch(NAME, collective=True)
+    patch = patch if patch is not None else Patch(NAME, lost=LOST, collective=True)
 
     def make() -> Any:
         why = unsupported_reason(worker)
@@ -340,7 +341,7 @@ def patch(rt: Any) -> Optional[Patch]:
     if not rt.settings.plain_decode:
         return None
     t = rt.targets
-    p = Patch(NAME, collective=True)
+    p = Patch(NAME, lost=LOST, collective=True)
     p.hook(AFTER, t.init_graphs, after_init_graphs)
     p.hook(AROUND, t.verify, around_verify_hook)
     p.hook(AROUND, t.target_forward, around_target_forward_hook)

@@ -14,6 +14,8 @@ from .. import sglang_source
 from ..guard import AROUND, Patch
 
 NAME = "spec_alloc"
+LOST = ("the speculative KV allocation reads each request's length as a tensor scalar (2 ATen "
+        "calls per request per step)")
 log = logging.getLogger("specctl.plugin")
 
 
@@ -24,7 +26,7 @@ def patch(rt: Any) -> Optional[Patch]:
         log.info("specctl: spec_alloc=on: this SGLang reads the speculative KV allocation's lengths as one list "
                  "already; nothing to do")
         return None
-    return Patch(NAME).hook(AROUND, rt.targets.spec_alloc, around_spec_alloc)
+    return Patch(NAME, lost=LOST).hook(AROUND, rt.targets.spec_alloc, around_spec_alloc)
 
 
 def around_spec_alloc(orig: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:

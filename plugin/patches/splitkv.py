@@ -14,12 +14,13 @@ from .. import sglang_source
 from ..guard import AFTER, Patch
 
 NAME = "splitkv"
+LOST = "verify attention stays SGLang's extend kernel"
 
 
 def patch(rt: Any) -> Optional[Patch]:
     if not rt.settings.splitkv_verify:
         return None
-    return Patch(NAME).hook(AFTER, rt.targets.triton_init, after_triton_init)
+    return Patch(NAME, lost=LOST).hook(AFTER, rt.targets.triton_init, after_triton_init)
 
 
 def after_triton_init(ret: Any, backend: Any, *args: Any, **kwargs: Any) -> None:

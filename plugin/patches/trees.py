@@ -20,6 +20,7 @@ from .. import sglang_source
 from ..guard import AFTER, AROUND, BEFORE, Patch
 
 NAME = "trees"
+LOST = "tree states cannot be built or switched to safely"
 log = logging.getLogger("specctl.plugin")
 
 
@@ -28,7 +29,7 @@ def patch(rt: Any) -> Patch:
     SGLang's sizing); apply, draft extend and draft keep widths consistent and must not be skipped (an error
     there falls the engine back to its fixed policy, which runs chains only, and propagates)."""
     t = rt.targets
-    p = Patch(NAME)
+    p = Patch(NAME, lost=LOST)
     # off (an error of ours around a build): SGLang builds chains from then on; the engine must not choose a tree
     p.when_off(lambda: rt.fail_engine(f"patch {NAME} is off"))
     p.hook(AROUND, t.build, around_build)
@@ -38,7 +39,7 @@ def patch(rt: Any) -> Patch:
 
 def width_patch(rt: Any) -> Patch:
     t = rt.targets
-    p = Patch(NAME + ".width", must_run=True, on_must_run_error=rt.fail_engine)
+    p = Patch(NAME + ".width", lost=LOST, must_run=True, on_must_run_error=rt.fail_engine)
     p.hook(BEFORE, t.apply, before_apply_hook)
     p.hook(AROUND, t.extend_decode, around_draft_extend)
     p.hook(AROUND, t.extend_prefill, around_draft_extend)
