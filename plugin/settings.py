@@ -123,11 +123,11 @@ class PluginSettings:
         for name, mode, steps in (("fi_plan", self.fi_verify_host_plan, self.fi_verify_check_steps),
                                   ("host_lens", self.host_seq_lens, self.host_seq_lens_check_steps)):
             if mode not in CHECK_MODES:
-                raise ValueError(f"SPECCTL_PATCHES {name} must be one of on, off, check, check:N, not {mode!r}")
+                raise ValueError(f"SPECCTL_PATCHES: {name} must be one of on, off, check, check:N, not {mode!r}")
             if steps < 1:
-                raise ValueError(f"SPECCTL_PATCHES {name}=check:N needs N >= 1, got {steps}")
+                raise ValueError(f"SPECCTL_PATCHES: {name}=check:N needs N >= 1, got {steps}")
         if self.draft_catchup != 0 and self.draft_catchup < 2:
-            raise ValueError(f"SPECCTL_PATCHES catchup must be off, on or a number of steps >= 2, "
+            raise ValueError(f"SPECCTL_PATCHES: catchup must be off, on or a number of steps >= 2, "
                              f"got {self.draft_catchup}")
         if (self.curve_secret_key_file is None) != (self.curve_server_key_file is None):
             raise ValueError("set both SPECCTL_CURVE_SECRET_KEY and SPECCTL_CURVE_SERVER_KEY (or neither)")

@@ -72,7 +72,7 @@ def hooked(h, hp):
 
 
 def host_plan(fi, mode="on", **kw):
-    from specctl.plugin.fi_verify_plan import HostPlan
+    from specctl.plugin.patches.fi_plan import HostPlan
 
     return HostPlan(mode, pack=fi.segment_packbits_kernel, **kw)
 
@@ -105,7 +105,7 @@ def test_the_host_layout_is_what_sglang_builds_on_the_device(fi):
     offsets of plan()'s segment_packbits, for a padded batch."""
     import torch
 
-    from specctl.plugin.fi_verify_plan import host_layout
+    from specctl.plugin.patches.fi_plan import host_layout
 
     h = fi.Harness(width=3)
     seq_lens = torch.tensor([9, 30, 1, 1], dtype=torch.int64)  # two padded rows (fill value 1)
@@ -154,7 +154,7 @@ def test_a_fault_falls_back_to_plan_for_that_step_and_turns_the_hook_off(fi, cap
     def broken(*a):
         raise RuntimeError("injected")
 
-    from specctl.plugin.fi_verify_plan import HostPlan
+    from specctl.plugin.patches.fi_plan import HostPlan
 
     stock, mine = fi.Harness(), hooked(fi.Harness(), hp := HostPlan("on", pack=broken))
     stock.capture()

@@ -60,7 +60,7 @@ def _hooked(fm_class, hl, debug=lambda: False):
     """A subclass whose publish / resolve carry our AROUND hooks, wrapped by SGLang's own hook wrapper."""
     from sglang.srt.plugins.hook_registry import HookType, _wrap_fn
 
-    from specctl.plugin.host_seq_lens import around_publish, around_resolve
+    from specctl.plugin.patches.host_lens import around_publish, around_resolve
 
     def pub(o, fm, idx, *a, **k):
         return around_publish(hl, o, fm, idx, *a, **k)
@@ -140,7 +140,7 @@ def _script(loop):
 
 @pytest.mark.sglang
 def test_the_host_lengths_are_the_devices_and_spare_the_pull_after_decode_state_steps(fm_class):
-    from specctl.plugin.host_seq_lens import HostSeqLens
+    from specctl.plugin.patches.host_lens import HostSeqLens
 
     stock = Loop(_fmap(fm_class))
     _script(stock)
@@ -157,7 +157,7 @@ def test_the_host_lengths_are_the_devices_and_spare_the_pull_after_decode_state_
 def test_a_row_the_copy_does_not_hold_and_a_hand_over_no_publish_took_go_to_the_device(fm_class):
     import torch
 
-    from specctl.plugin.host_seq_lens import HostSeqLens
+    from specctl.plugin.patches.host_lens import HostSeqLens
 
     hl = HostSeqLens("on")
     loop = Loop(_fmap(_hooked(fm_class, hl)), hl)
@@ -177,7 +177,7 @@ def test_a_row_the_copy_does_not_hold_and_a_hand_over_no_publish_took_go_to_the_
 def test_publishes_update_the_copy_row_by_row_as_they_were_handed_over(fm_class):
     import torch
 
-    from specctl.plugin.host_seq_lens import HostSeqLens
+    from specctl.plugin.patches.host_lens import HostSeqLens
 
     hl = HostSeqLens("on")
     fm = _fmap(_hooked(fm_class, hl))
@@ -206,7 +206,7 @@ def test_publishes_update_the_copy_row_by_row_as_they_were_handed_over(fm_class)
 
 @pytest.mark.sglang
 def test_check_mode_compares_then_trusts_and_a_difference_turns_it_off(fm_class, caplog):
-    from specctl.plugin.host_seq_lens import HostSeqLens
+    from specctl.plugin.patches.host_lens import HostSeqLens
 
     hl = HostSeqLens("check", check_steps=2)
     loop = Loop(_fmap(_hooked(fm_class, hl)), hl)
@@ -233,8 +233,8 @@ def test_check_mode_compares_then_trusts_and_a_difference_turns_it_off(fm_class,
 
 @pytest.mark.sglang
 def test_after_the_check_one_step_in_audit_every_still_compares(fm_class, monkeypatch):
-    from specctl.plugin import host_seq_lens
-    from specctl.plugin.host_seq_lens import HostSeqLens
+    from specctl.plugin.patches import host_lens as host_seq_lens
+    from specctl.plugin.patches.host_lens import HostSeqLens
 
     monkeypatch.setattr(host_seq_lens, "AUDIT_EVERY", 3)
     hl = HostSeqLens("on")
@@ -255,7 +255,7 @@ def test_after_the_check_one_step_in_audit_every_still_compares(fm_class, monkey
 @pytest.mark.sglang
 @pytest.mark.parametrize("case", ["triton", "debug-assert", "off"])
 def test_where_sglang_needs_no_host_lengths_or_its_debug_mode_is_on_nothing_changes(fm_class, case):
-    from specctl.plugin.host_seq_lens import HostSeqLens
+    from specctl.plugin.patches.host_lens import HostSeqLens
 
     hl = HostSeqLens("off" if case == "off" else "on")
     cls = _hooked(fm_class, hl, debug=(lambda: True) if case == "debug-assert" else (lambda: False))
@@ -271,7 +271,7 @@ def test_where_sglang_needs_no_host_lengths_or_its_debug_mode_is_on_nothing_chan
 
 @pytest.mark.sglang
 def test_a_fault_in_the_hook_runs_sglangs_resolve_and_turns_it_off(fm_class, caplog):
-    from specctl.plugin.host_seq_lens import HostSeqLens
+    from specctl.plugin.patches.host_lens import HostSeqLens
 
     hl = HostSeqLens("on")
     loop = Loop(_fmap(_hooked(fm_class, hl)), hl)
@@ -287,7 +287,7 @@ def test_a_fault_in_the_hook_runs_sglangs_resolve_and_turns_it_off(fm_class, cap
 def test_supported_only_where_resolve_takes_the_batch_alone():
     from sglang.srt.managers.overlap_utils import FutureMap
 
-    from specctl.plugin.host_seq_lens import supported
+    from specctl.plugin.patches.host_lens import supported
 
     why = supported(FutureMap.resolve_seq_lens_cpu)
     if _version() == "0.5.17":
@@ -304,7 +304,7 @@ def test_the_verify_hook_hands_over_only_after_a_decode_forward_ran(monkeypatch)
     import torch
 
     from specctl.plugin import plain_decode, sglang_hooks
-    from specctl.plugin.host_seq_lens import HostSeqLens
+    from specctl.plugin.patches.host_lens import HostSeqLens
 
     plain = SimpleNamespace(on=True, ran=True, planned=("stale", "stale"))
     rt = SimpleNamespace(plain=plain, host_lens=HostSeqLens("on"))
@@ -333,7 +333,7 @@ def test_the_verify_hook_hands_over_only_after_a_decode_forward_ran(monkeypatch)
 def test_the_forward_hook_hands_over_a_prefills_lengths_and_a_decode_steps_rows(monkeypatch):
     import torch
     from specctl.plugin import sglang_hooks
-    from specctl.plugin.host_seq_lens import HostSeqLens
+    from specctl.plugin.patches.host_lens import HostSeqLens
 
     rt = SimpleNamespace(host_lens=HostSeqLens("on"), timer=None, _wants_ctx=lambda: False)
     monkeypatch.setattr(sglang_hooks, "_RUNTIME", rt)
