@@ -182,6 +182,10 @@ class _Call:
     def __init__(self, orig: Callable[..., Any]):
         self.orig, self.done, self.raised, self.result = orig, False, False, None
 
+    @property
+    def __wrapped__(self) -> Callable[..., Any]:  # inspect.signature / unwrap see SGLang's own function
+        return self.orig
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         try:
             out = self.orig(*args, **kwargs)

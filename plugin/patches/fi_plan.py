@@ -179,7 +179,7 @@ class HostPlan:
         if width is None or not self.on:
             return orig(updater, *args, **kwargs)
         try:
-            call = _signature(orig).bind(updater, *args, **kwargs).arguments
+            call = _signature(inspect.unwrap(orig)).bind(updater, *args, **kwargs).arguments
             seq_lens_cpu = call.get("seq_lens_cpu")
             why = self._replay_refusal(call, seq_lens_cpu, width)
             if why is not None:

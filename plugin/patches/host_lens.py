@@ -304,7 +304,7 @@ def patch(rt: Any) -> Optional[Patch]:
                                                            s.host_seq_lens, why)
         return None
     p = Patch(NAME, lost=LOST, mode="check" if s.host_seq_lens == "check" else "on")
-    HostSeqLens(s.host_seq_lens, check_steps=s.host_seq_lens_check_steps, patch=p)
+    p.publish(HostSeqLens(s.host_seq_lens, check_steps=s.host_seq_lens_check_steps, patch=p))
     # its copy follows the forward, the publish and the resolve, or none of them (the guard checks all three)
     p.hook(BEFORE, rt.targets.forward, before_forward)
     p.hook(AROUND, rt.targets.fmap_publish, around_fmap_publish)
