@@ -14,14 +14,13 @@ a hook) until every part is built; a hook's own error turns its patch off and ha
 
 from __future__ import annotations
 
+import importlib
 import logging
 import pkgutil
 from typing import Any, Callable, Optional
 
 from . import runtime as _rt
 from .guard import AFTER, AROUND, BEFORE, REPLACE
-from .patches import catchup, draft_graphs, fi_plan, host_lens, plain_decode, spec_alloc, splitkv, trees, \
-    trivial_verify
 from .policy import make_policy_class
 from .runtime import SGLANG_TARGETS, PluginRuntime, Targets
 from .settings import PluginSettings
@@ -30,12 +29,18 @@ __all__ = ["install", "runtime", "PluginRuntime", "Targets", "SGLANG_TARGETS", "
 
 log = logging.getLogger("specctl.plugin")
 
-# each patch's factory: a Patch (its hooks) or None where it is off or has nothing to do in this SGLang; the order
-# is the registration order (a later hook on a target wraps an earlier one)
-PATCHES: tuple[Callable[[PluginRuntime], Any], ...] = (
-    trees.patch, trees.width_patch, trivial_verify.patch, splitkv.patch, draft_graphs.patch, spec_alloc.patch,
-    fi_plan.patch, host_lens.patch, plain_decode.patch, catchup.patch,
+# each patch's factory (module of plugin/patches, function): a Patch (its hooks) or None where it is off or has
+# nothing to do in this SGLang; the order is the registration order (a later hook on a target wraps an earlier one)
+PATCHES: tuple[tuple[str, str], ...] = (
+    ("trees", "patch"), ("trees", "width_patch"), ("trivial_verify", "patch"), ("splitkv", "patch"),
+    ("draft_graphs", "patch"), ("spec_alloc", "patch"), ("fi_plan", "patch"), ("host_lens", "patch"),
+    ("plain_decode", "patch"), ("catchup", "patch"),
 )
+
+
+def factories() -> list[Callable[[PluginRuntime], Any]]:
+    """The patch factories, imported here (some patch modules import torch: only a scheduler process loads them)."""
+    return [getattr(importlib.import_module(f"{__package__}.patches.{mod}"), fn) for mod, fn in PATCHES]
 
 
 def install(settings: PluginSettings, *, targets: Targets = SGLANG_TARGETS, policy_file_bytes: Optional[bytes] = None,
@@ -47,7 +52,8 @@ def install(settings: PluginSettings, *, targets: Targets = SGLANG_TARGETS, poli
     from sglang.srt.plugins.hook_registry import HookType
 
     kinds = {REPLACE: HookType.REPLACE, AROUND: HookType.AROUND, BEFORE: HookType.BEFORE, AFTER: HookType.AFTER}
-    rt = PluginRuntime(settings, targets=targets, policy_file_bytes=policy_file_bytes, patches=PATCHES, **runtime_kw)
+    rt = PluginRuntime(settings, targets=targets, policy_file_bytes=policy_file_bytes, patches=factories(),
+                       **runtime_kw)
     mod, name = targets.policy.rsplit(".", 1)
     hooks: list[tuple[str, Any, str]] = [
         (targets.policy, make_policy_class(getattr(pkgutil.resolve_name(mod), name)), REPLACE),
