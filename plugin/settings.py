@@ -29,7 +29,7 @@ OPERATOR_TABLE = """\
 | `SPECCTL_TELEMETRY` | from the rundir | telemetry endpoint (overrides the rundir's); `none`: no telemetry |
 | `SPECCTL_POLICY` | from the rundir | policy endpoint (overrides the rundir's); `none`: no daemon |
 | `SPECCTL_POLICY_FILE` | unset | a policy file every rank reads at start-up (sets mode `file`) |
-| `SPECCTL_FALLBACK` | `4:s3` | the fixed-threshold fallback, `N:config`: speculate with `config` (`s3`, `off`, `3,1,4`) below batch `N`, not from `N` on |
+| `SPECCTL_FALLBACK` | `5:s3` | the fixed-threshold fallback, `N:config`: speculate with `config` (`s3`, `off`, `3,1,4`) below batch `N`, not from `N` on |
 | `SPECCTL_STALE_AFTER_S` | `30` | no policy frame (heartbeats count) for this long: the fallback |
 | `SPECCTL_CURVE_SECRET_KEY` | unset | this engine's CURVE `.key_secret` (with the next one, for a daemon over tcp) |
 | `SPECCTL_CURVE_SERVER_KEY` | unset | the daemon's public `server.key` |
@@ -61,8 +61,8 @@ PATCHES: dict[str, tuple[str, str]] = {
 ALWAYS_ON = ("trees", "trivial_verify")
 
 RETIRED = {  # variables of earlier releases: what to set instead
-    "FALLBACK_THRESHOLD": "SPECCTL_FALLBACK=N:config (e.g. 4:s3)",
-    "FALLBACK_CONFIG": "SPECCTL_FALLBACK=N:config (e.g. 4:s3)",
+    "FALLBACK_THRESHOLD": "SPECCTL_FALLBACK=N:config (e.g. 5:s3)",
+    "FALLBACK_CONFIG": "SPECCTL_FALLBACK=N:config (e.g. 5:s3)",
     "SYNC_EVERY": "nothing (the TP sync period is fixed)",
     "PLAIN_DECODE": "SPECCTL_PATCHES=plain_decode=on|off",
     "PLAIN_DECODE_FLASHINFER": "SPECCTL_PATCHES=plain_flashinfer=on|off",
@@ -194,7 +194,7 @@ def parse_fallback(value: str) -> tuple[int, Config]:
             raise ValueError("expected N:config")
         return int(n), wire.parse_config(cfg.strip()).key
     except ValueError as e:
-        raise ValueError(f"SPECCTL_FALLBACK must be N:config (e.g. 4:s3), not {value!r}: {e}") from None
+        raise ValueError(f"SPECCTL_FALLBACK must be N:config (e.g. 5:s3), not {value!r}: {e}") from None
 
 
 def parse_patches(value: Optional[str]) -> dict[str, Any]:
