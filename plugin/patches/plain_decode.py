@@ -151,9 +151,7 @@ def build(worker: Any, *, agree: Callable[[bool], bool], backends: tuple[str, ..
         why = unsupported_reason(worker)
         if why is not None:
             return why
-        plain = _capture(worker, backends)
-        plain.patch, plain.logprobs = patch, logprobs
-        return plain
+        return _capture(worker, backends, patch=patch, logprobs=logprobs)
 
     plain = patch.build(make, agree=agree)
     if plain is None:
@@ -166,7 +164,7 @@ def build(worker: Any, *, agree: Callable[[bool], bool], backends: tuple[str, ..
     return plain
 
 
-def _capture(worker: Any, backends: tuple[str, ...]) -> PlainDecode:
+def _capture(worker: Any, backends: tuple[str, ...], **kw: Any) -> PlainDecode:
     from sglang.srt.utils import get_available_gpu_memory
 
     mr = worker._target_worker.model_runner
@@ -194,7 +192,8 @@ def _capture(worker: Any, backends: tuple[str, ...]) -> PlainDecode:
     from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardBatch, ForwardMode
 
     return PlainDecode(runner=runner, backend=backend, forward_batch=ForwardBatch, decode_mode=ForwardMode.DECODE,
-                       full_hidden=CaptureHiddenMode.FULL, build_s=time.perf_counter() - tic, mem_gb=before - after)
+                       full_hidden=CaptureHiddenMode.FULL, build_s=time.perf_counter() - tic, mem_gb=before - after,
+                       **kw)
 
 
 _RUNNER_CLASS: Optional[type] = None

@@ -342,7 +342,7 @@ def test_unsupported_launches_are_named_before_anything_is_captured(over, why):
 
 def test_build_needs_every_rank_and_logs_why_not(monkeypatch, caplog):
     built = []
-    monkeypatch.setattr(pd, "_capture", lambda worker, backends: built.append(worker) or make_plain())
+    monkeypatch.setattr(pd, "_capture", lambda worker, backends, **kw: built.append(worker) or make_plain())
     w = fake_worker()
     assert pd.build(w, agree=lambda ok: ok) is not None
     with caplog.at_level(logging.WARNING, logger="specctl.plugin"):
@@ -352,7 +352,7 @@ def test_build_needs_every_rank_and_logs_why_not(monkeypatch, caplog):
     assert pd.build(fake_worker(topk=4), agree=lambda ok: votes.append(ok) or ok) is None
     assert votes == [False] and len(built) == 2  # unsupported: still votes, never captures
 
-    def boom(worker, backends):
+    def boom(worker, backends, **kw):
         raise MemoryError("capture out of memory")
 
     monkeypatch.setattr(pd, "_capture", boom)
@@ -370,7 +370,7 @@ def test_the_build_line_says_whether_graphs_were_captured(monkeypatch, caplog):
                          (None, "no CUDA graphs in this launch: eager DECODE forwards")):
         plain = make_plain()
         plain.runner, plain.max_bs = runner, int(getattr(runner, "max_bs", 0)) if runner else 0
-        monkeypatch.setattr(pd, "_capture", lambda worker, backends, p=plain: p)
+        monkeypatch.setattr(pd, "_capture", lambda worker, backends, p=plain, **kw: p)
         caplog.clear()
         with caplog.at_level(logging.INFO, logger="specctl.plugin"):
             assert pd.build(fake_worker(), agree=lambda ok: ok) is plain

@@ -27,11 +27,11 @@ from specctl.plugin.patches import plain_decode  # noqa: E402
 from specctl.plugin.settings import PluginSettings  # noqa: E402
 
 
-def capture(worker, backends):
+def capture(worker, backends, **kw):
     if rank == fail_rank:
         raise MemoryError(f"stand-in capture out of memory on rank {rank}")
     return plain_decode.PlainDecode(runner=SimpleNamespace(max_bs=64), backend="decode-backend",
-                                    forward_batch=None, decode_mode=None, full_hidden=None)
+                                    forward_batch=None, decode_mode=None, full_hidden=None, **kw)
 
 
 plain_decode._capture = capture
