@@ -20,7 +20,6 @@ Only rank 0 ever looks at the clock or at policy frames; what it concludes (a ne
 from __future__ import annotations
 
 import logging
-import math
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping, Optional
@@ -72,7 +71,6 @@ class EngineController:
         self.candidate_steps: frozenset[int] = frozenset(int(s) for s in candidate_steps)
         if not self.candidate_steps:
             raise ValueError("no candidate steps: SGLang built no adaptive runtime state")
-        self._config_frag: dict[int, bytes] = {}
         self._set_states(state_configs(self.candidate_steps, states))
         self.stats = EngineStats()
         self._logged: set[str] = set()
@@ -89,10 +87,7 @@ class EngineController:
         self._last_frame_at: Optional[float] = None
         self._started_at = clock() if rank == 0 else 0.0
         self._no_daemon_reported = False
-        self._prefix = (
-            '{"kind":"step","schema":1,"server":' + _json_str(settings.server_id)
-            + ',"rank":' + str(int(rank)) + ',"iter":'
-        ).encode()
+        self._encoder = wire.StepEncoder(settings.server_id, int(rank))
         self._trace: Any = None
         if settings.mode == "fixed":
             self.active_source = "fixed"
@@ -273,7 +268,6 @@ class EngineController:
         self.states = states
         # a result names its configuration only by its width (draft tokens verified per request)
         self._by_width: dict[int, Config] = {c[2]: c for c in states.values()}
-        self._config_frag.clear()  # the step-frame fragments cached per width
 
     def fail(self, reason: str) -> None:
         """An internal error: the fixed-threshold fallback for the rest of this process."""
@@ -287,29 +281,13 @@ class EngineController:
     def step_record(self, *, iter: int, ts: float, batch_size: int, draft_tokens: int,
                     accepted: Optional[list[int]], step_ms: float,
                     ctx_tokens: Optional[int] = None, off_path: Optional[str] = None) -> bytes:
-        """One DESIGN.md `step` frame, exactly `wire.encode(StepRecord(...))`. The configuration is
-        the runtime state that produced this result, known by its width (`states` keeps widths
-        unique); a width no state has is read as the chain of `draft_tokens - 1` steps."""
-        frag = self._config_frag.get(draft_tokens)
-        if frag is None:
-            c = self._by_width.get(draft_tokens) or chain(draft_tokens - 1 if draft_tokens > 1 else 0)
-            frag = (',"config":{"steps":%d,"topk":%d,"draft_tokens":%d}' % c).encode()
-            self._config_frag[draft_tokens] = frag
-        if draft_tokens > 1 and accepted is not None:
-            acc = b',"accepted":[' + _int_list(accepted) + b"]"
-        else:
-            acc = b""
-        ms = float(step_ms)
-        tail = b'}'
-        if off_path is not None and draft_tokens == 1:  # the wire's field order: ctx_tokens, off_path
-            tail = (_OFF_DECODE if off_path == "decode" else _OFF_VERIFY) + tail
-        if ctx_tokens is not None:
-            tail = b',"ctx_tokens":%d' % ctx_tokens + tail
-        return b"".join((
-            self._prefix, b"%d" % iter, b',"ts":', repr(float(ts)).encode(),
-            b',"batch_size":%d' % batch_size, frag, acc,
-            b',"step_ms":', (repr(ms) if math.isfinite(ms) else "null").encode(), tail,
-        ))
+        """One DESIGN.md `step` frame, exactly `wire.encode(StepRecord(...))` (wire.StepEncoder). The configuration
+        is the runtime state that produced this result, known by its width (`states` keeps widths unique); a width
+        no state has is read as the chain of `draft_tokens - 1` steps."""
+        c = self._by_width.get(draft_tokens) or chain(draft_tokens - 1 if draft_tokens > 1 else 0)
+        return self._encoder.encode(iter=iter, ts=ts, batch_size=batch_size, config=c,
+                                    accepted=accepted if draft_tokens > 1 else None, step_ms=step_ms,
+                                    ctx_tokens=ctx_tokens, off_path=off_path if draft_tokens == 1 else None)
 
     # ------------------------------------------------------------------ helpers
 
@@ -440,26 +418,3 @@ def _describe(t: PolicyTable) -> str:
     if t.challenge:
         parts.append(f"challenge 1/{t.challenge_period}")
     return ", ".join(parts)
-
-
-_OFF_DECODE, _OFF_VERIFY = b',"off_path":"decode"', b',"off_path":"verify"'
-_DIGIT = bytes(range(48, 58)) + bytes(246)  # byte value v < 10 -> ASCII digit
-_BELOW_10 = bytes(range(10))
-_INT_BYTES = [str(i).encode() for i in range(256)]
-
-
-def _int_list(values: list[int]) -> bytes:
-    """`3,1,0,2` for accepted-draft counts: C-speed when all are < 10 (the common case; a per-element
-    Python loop costs ~0.3 us a request, too much at batch 256 on the scheduler thread)."""
-    b = bytes(values)  # ValueError outside 0..255: the caller's telemetry guard turns it off
-    if b.translate(None, _BELOW_10):
-        return b",".join([_INT_BYTES[v] for v in b])
-    out = bytearray(b"," * (2 * len(b) - 1))
-    out[::2] = b.translate(_DIGIT)
-    return bytes(out)
-
-
-def _json_str(s: str) -> str:
-    import json
-
-    return json.dumps(s)

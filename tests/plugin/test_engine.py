@@ -209,6 +209,20 @@ def test_step_record_is_exactly_the_wire_encoding():
         assert frame == wire.encode(rec)
         assert rec.config.steps == c["draft_tokens"] - 1 if c["draft_tokens"] > 1 else rec.config.steps == 0
         assert rec.rank == 2 and rec.server == 'srv "7"'
+        # one encoder: the engine's frame is wire.encode_step_fields' for the same fields
+        c0 = rec.config
+        assert frame == wire.encode_step_fields(server='srv "7"', rank=2, iter=c["iter"], ts=c["ts"],
+                                                batch_size=c["batch_size"], steps=c0.steps, topk=c0.topk,
+                                                draft_tokens=c0.draft_tokens, accepted=rec.accepted,
+                                                step_ms=c["step_ms"], ctx_tokens=c.get("ctx_tokens"),
+                                                off_path=rec.off_path)
+
+
+@pytest.mark.parametrize("accepted", [[0], [7, 30, 12], [64, 10], [10] * 5, [3, 0, 2]])
+def test_the_step_encoder_matches_the_model_encoder_for_any_count(accepted):
+    frame = wire.encode_step_fields(server="s", rank=0, iter=1, ts=2.0, batch_size=max(1, len(accepted)), steps=64,
+                                    topk=1, draft_tokens=65, accepted=accepted, step_ms=5.0)
+    assert frame == wire.encode(wire.decode_step(frame))
 
 
 def test_file_mode_starts_on_the_file_policy():
