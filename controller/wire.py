@@ -396,9 +396,9 @@ class StepEncoder:
         if off_path is not None:  # the wire's field order: ctx_tokens, off_path
             tail = b',"off_path":' + json.dumps(off_path).encode() + tail
         if ctx_tokens is not None:
-            tail = b',"ctx_tokens":%d' % int(ctx_tokens) + tail
-        return b"".join((
-            self._prefix, b"%d" % int(iter), b',"ts":', repr(float(ts)).encode(), b',"batch_size":%d' % int(batch_size),
+            tail = b',"ctx_tokens":%d' % ctx_tokens + tail
+        return b"".join((  # %d of the caller's ints: the engine hands Python ints (the daemon validates every frame)
+            self._prefix, b"%d" % iter, b',"ts":', repr(float(ts)).encode(), b',"batch_size":%d' % batch_size,
             frag, b"" if accepted is None else b',"accepted":[' + _int_list(accepted) + b"]",
             b',"step_ms":', (repr(ms) if math.isfinite(ms) else "null").encode(), tail,
         ))
@@ -416,8 +416,6 @@ def _int_list(values: list[int]) -> bytes:
         b = bytes(values)
     except (ValueError, TypeError):  # outside 0..255: the general path
         return ",".join(str(int(v)) for v in values).encode()
-    if not b:
-        return b""
     if b.translate(None, _BELOW_10):
         return b",".join([_INT_BYTES[v] for v in b])
     out = bytearray(b"," * (2 * len(b) - 1))
