@@ -25,10 +25,10 @@ def make_policy_class(base: type) -> type:
             if rt is None:
                 log.error("specctl: policy built without a plugin runtime; SGLang's policy decides")
                 return
-            # the sizing slot's steps only size buffers: no runtime state for them (decided before anything can
-            # fail, so that SGLang's own policy never builds them either)
-            self._sizing_only = sizing_only_steps(cfg_path)
             try:
+                # the sizing slot's steps only size buffers: no runtime state for them (decided first, so that
+                # SGLang's own policy never builds them either once anything after it fails)
+                self._sizing_only = sizing_only_steps(cfg_path)
                 self.specctl = rt.new_engine(list(self.candidate_steps), rt.configured_trees(cfg_path))
             except Exception as e:  # noqa: BLE001
                 log.exception("specctl: engine start failed (%s); SGLang's policy decides", e)
