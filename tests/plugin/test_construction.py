@@ -167,3 +167,11 @@ def test_the_startup_line_of_a_real_install_says_what_is_true(tmp_path):
                              "fallback_reason": "no engine: SGLang's own policy decides"}
     for name in ("plain_decode", "catchup"):  # each turn-off said once, in the operator's words
         assert sum(ln.startswith(f"specctl: patch {name} off: ") for ln in p.stdout.splitlines()) == 1
+
+
+def test_the_policy_class_uses_only_sglangs_public_protocol():
+    """SGLang keeps its slots and graph sizes private (upstream moved them since): the REPLACE reads neither."""
+    from pathlib import Path
+
+    src = (Path(__file__).parents[2] / "plugin" / "policy.py").read_text()
+    assert "._slots" not in src and "._cuda_graph_bs" not in src
