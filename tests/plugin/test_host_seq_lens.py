@@ -50,7 +50,7 @@ def _version() -> str:
 def fm_class():
     """SGLang 0.5.17's FutureMap (0.5.23's resolve takes another argument: the setting does nothing there)."""
     if _version() != "0.5.17":
-        pytest.skip("SPECCTL_HOST_SEQ_LENS is written against SGLang 0.5.17's FutureMap")
+        pytest.skip("the host_lens patch is written against SGLang 0.5.17's FutureMap")
     from sglang.srt.managers.overlap_utils import FutureMap
 
     return FutureMap
