@@ -1,16 +1,8 @@
-"""The draft kept in sync across plain decode by one extend per K steps instead of one per step
-(SPECCTL_DRAFT_CATCHUP; off by default: see below).
+"""The draft kept in sync across plain decode by one extend per K steps instead of one per step (patch catchup;
+off by default: measured faster per step, but its server's prefill iterations cost more, cause not found).
 
-At steps 0 SGLang extends the draft by each step's one token, so that its KV and hidden state are in
-sync when speculation resumes; on the H200 testbed that extend is 2.2-2.5 % of the decode state's step
-(2026-12-03: the decode state 1.032 / 1.039x the no-spec step at c = 16 / 32, 1.010 / 1.014x without
-it). Measured with K = 16 (2026-12-03, second lease): the decode state 1.013 / 1.018 / 1.016x the no-spec
-step at c = 1 / 4 / 16 (1.029 / 1.034 / 1.031x without the catch-up), the draft's acceptance after a 30 s
-plain stretch 0.986 of its reference (0.973 without), greedy outputs unchanged; third lease (every prefill
-the whole prompt): 1.014-1.018x at c = 16, 1.024x at c = 64 and at c = 128. It stays off by default because
-its server's prefill iterations cost more (fourth lease, nothing profiled: 10-step windows at batch >= 120 with one
-/ two prefills 134 / 173 ms, 116 / 130 without it; profiled, the target's prefill span 42 ms of CPU against 30), for
-a reason not found yet. Here a steps-0 step keeps the target's hidden state and the new token of each request in a ring of
+At steps 0 SGLang extends the draft by each step's one token, so that its KV and hidden state are in sync when
+speculation resumes. Here a steps-0 step keeps the target's hidden state and the new token of each request in a ring of
 K per request slot, and the draft is extended over what is pending in one forward: SGLang's own
 draft-extend step (_draft_extend_for_decode) with a window of K tokens per request, the pending ones
 first (the rest go to the padding slot and are never read):
@@ -52,7 +44,7 @@ class DraftCatchup:
     def __init__(self, *, k: int, worker: Any, torch_mod: Any, patch: Optional[Patch] = None):
         self.patch = patch if patch is not None else Patch(NAME, lost=LOST)
         if k < 2:
-            raise ValueError(f"SPECCTL_DRAFT_CATCHUP needs a ring of at least 2 steps, not {k}")
+            raise ValueError(f"catchup needs a ring of at least 2 steps, not {k}")
         self.k = k
         self.torch = torch_mod
         self.worker = worker  # EAGLEWorkerV2: its own zero stubs for skipped draft outputs

@@ -1,4 +1,4 @@
-"""SPECCTL_FI_VERIFY_HOST_PLAN on SGLang 0.5.17: the flashinfer plan of the TARGET_VERIFY CUDA graphs built from
+"""Patch fi_plan on SGLang 0.5.17: the flashinfer plan of the TARGET_VERIFY CUDA graphs built from
 the lengths the host already holds, as 0.5.23's SGLANG_OPT_FLASHINFER_VERIFY_HOST_PLAN does, so that the verify prep
 makes none of plan()'s four blocking device-to-host reads (docs/flashinfer-spec-copies.md, fix P2: V1-V4).
 

@@ -60,7 +60,7 @@ class PlainDecode:
         # trivial verify
         self.logprobs = logprobs
         self.pending: Any = None  # the ScheduleBatch of the verify call in flight
-        # the rows and committed host lengths the last decode forward planned with (SPECCTL_HOST_SEQ_LENS)
+        # the rows and committed host lengths the last decode forward planned with (patch host_lens)
         self.planned: Optional[tuple[Any, Any]] = None
         self.ran = False  # the forward of the verify call in flight was the decode forward
         self.last_graph = False
@@ -135,8 +135,7 @@ TRITON, FLASHINFER = "TritonAttnBackend", "FlashInferAttnBackend"
 
 
 def backends(flashinfer: bool = False) -> tuple[str, ...]:
-    """The attention backends the decode state is built on: triton (measured on the H200), and flashinfer
-    unless SPECCTL_PLAIN_DECODE_FLASHINFER=off (checked on an H100, 2026-12-06: on by default since)."""
+    """The attention backends the decode state is built on: triton, and flashinfer unless plain_flashinfer=off."""
     return (TRITON, FLASHINFER) if flashinfer else (TRITON,)
 
 
@@ -182,7 +181,7 @@ def _capture(worker: Any, backends: tuple[str, ...], **kw: Any) -> PlainDecode:
             mr.init_new_workspace = keep
         kind = type(backend).__name__
         if kind not in backends:
-            hint = "; SPECCTL_PLAIN_DECODE_FLASHINFER=off keeps it off flashinfer" if kind == FLASHINFER else ""
+            hint = "; SPECCTL_PATCHES=plain_flashinfer=off keeps it off flashinfer" if kind == FLASHINFER else ""
             raise RuntimeError(f"attention backend {kind} (the decode state supports {', '.join(backends)}{hint})")
         runner = None
         if getattr(steps0, "target_graph_runner", None) is not None:  # CUDA graphs on (SGLang built one)
