@@ -58,23 +58,12 @@ class Targets:
     fmap_publish: str = "sglang.srt.managers.overlap_utils.FutureMap.publish"
     fmap_resolve: str = "sglang.srt.managers.overlap_utils.FutureMap.resolve_seq_lens_cpu"
 
-    def plain_targets(self) -> tuple[str, ...]:
-        return (self.init_graphs, self.verify, self.target_forward)
-
-    def catchup_targets(self) -> tuple[str, ...]:
-        return (self.init_graphs, self.extend_decode, self.draft, self.extend_prefill)
-
     def fi_plan_targets(self) -> tuple[str, ...]:
         return (self.fi_out_graph, self.fi_begin_forward)
 
     def host_lens_targets(self) -> tuple[str, ...]:
         return (self.fmap_publish, self.fmap_resolve)
 
-    def tree_targets(self) -> tuple[str, ...]:
-        return (self.build, self.apply, self.extend_decode, self.extend_prefill, self.draft, self.logits_rows)
-
-
-SGLANG_TARGETS = Targets()
 
 SGLANG_TARGETS = Targets()
 
