@@ -4,12 +4,12 @@ telemetry use.
 
     python benchmarks/plugin_overhead.py [--steps N] [--out benchmarks/results/plugin-overhead.json]
 
-Drives the real hook functions (plugin/sglang_hooks.py) and the EngineController with the objects
+Drives the real hook functions (plugin/runtime.py) and the EngineController with the objects
 SGLang hands them (no sglang import needed); telemetry goes through the real PUSH socket to a PULL
 drained by another process; the policy SUB is polled at every sync boundary. On a GPU host the step
 timer records CUDA events instead of reading the host clock (not measured here). Goal: <= 20 us.
 
-Also the bookkeeping SPECCTL_HOST_SEQ_LENS adds to a decode-state step (plugin/host_seq_lens.py: the forward's
+Also the bookkeeping the host_lens patch adds to a decode-state step (plugin/patches/host_lens.py: the forward's
 hand-over, the verify's lengths, the publish's update of the host copy, the next resolve's lookup and its length
 tensor), which replaces a wait for the previous step on the GPU (flashinfer's) when it is on."""
 
@@ -28,8 +28,9 @@ from pathlib import Path
 import zmq
 
 from specctl.controller import transport
-from specctl.plugin import sglang_hooks
+from specctl.plugin import runtime as plugin_runtime
 from specctl.plugin.engine import EngineController, PluginSettings
+from specctl.plugin.timers import CpuTimer
 
 
 class _Mode:
@@ -111,7 +112,7 @@ DECIDE_NS: list[int] = []
 def _forward(worker, batch):
     """forward_batch_generation: SGLang's activate_step_by_batch asks the policy (our
     get_steps_for_batch: the context the AROUND hook read, then decide), then the GPU work."""
-    eng, rt = worker.adaptive_controller.params.specctl, sglang_hooks._RUNTIME
+    eng, rt = worker.adaptive_controller.params.specctl, plugin_runtime.current()
     t0 = time.perf_counter_ns()
     bs = batch.seq_lens.shape[0]
     eng.decide(bs, rt.take_ctx(bs))
@@ -138,10 +139,9 @@ def _banded_policy():
 def measure(batch_size: int, steps: int, rundir: str, *, telemetry: bool, bands: bool = False) -> dict:
     settings = PluginSettings(server_id="bench-0", telemetry_endpoint=f"ipc://{rundir}/telemetry.sock" if telemetry else None,
                               policy_endpoint=f"ipc://{rundir}/policy.sock", sync_every=8)
-    rt = sglang_hooks.PluginRuntime(settings, tp_group_fn=lambda: None, timer=sglang_hooks.CpuTimer())
-    sglang_hooks._RUNTIME = rt
-    rt.check_hooks = lambda **kw: []  # no SGLang here: the registry check is start-up only anyway
-    eng = rt.new_engine([0, 1, 3])
+    rt = plugin_runtime.PluginRuntime(settings, tp_group_fn=lambda: None, timer=CpuTimer())
+    eng = rt.new_engine([0, 1, 3])  # no patches here: the registry check (start-up only) finds none to check
+    plugin_runtime.publish(rt)
     if bands:  # a policy with context bands in force: every rank reads the batch's context
         eng.apply(_banded_policy())
     worker, proc = Worker(eng), Processor(Worker(eng))
@@ -153,8 +153,8 @@ def measure(batch_size: int, steps: int, rundir: str, *, telemetry: bool, bands:
     for it in range(steps + 2000):
         batch = Batch(batch_size, it)
         t0 = time.perf_counter_ns()
-        res = sglang_hooks._around_forward(_forward, worker, batch)
-        sglang_hooks._after_resolve(None, proc, res, batch)
+        res = plugin_runtime.around_forward(_forward, worker, batch)
+        plugin_runtime.after_resolve(None, proc, res, batch)
         t2 = time.perf_counter_ns()
         if it >= 2000:
             total_ns.append(t2 - t0)
@@ -177,6 +177,7 @@ def measure(batch_size: int, steps: int, rundir: str, *, telemetry: bool, bands:
     assert rt._batch_ctx(batch) == sum(r.kv_committed_len for r in REQS[batch_size])
     sent, dropped = (rt.sender.num_sent, rt.sender.num_dropped) if rt.sender else (0, 0)
     rt.close()
+    plugin_runtime.publish(None)
     total_us = [(t - base) / 1000 for t in total_ns]
     return {
         "batch_size": batch_size, "steps": steps, "telemetry": telemetry, "bands": bands,
@@ -195,7 +196,7 @@ def measure_host_lens(batch_size: int, steps: int) -> dict:
     """One decode-state step's host-length bookkeeping, with the objects SGLang hands the hooks."""
     import torch
 
-    from specctl.plugin.host_seq_lens import HostSeqLens
+    from specctl.plugin.patches.host_lens import HostSeqLens
 
     hl = HostSeqLens("on")
     rows = torch.arange(1, batch_size + 1)
@@ -255,12 +256,12 @@ def main() -> None:
           + ", ".join(f"bs {b}: {us:.2f} us" for b, us in sorted(ctx_read.items())))
     try:
         host_lens = [measure_host_lens(bs, min(args.steps, 20_000)) for bs in (1, 32, 256)]
-        print("SPECCTL_HOST_SEQ_LENS bookkeeping per decode-state step, median (p99): "
+        print("host_lens bookkeeping per decode-state step, median (p99): "
               + ", ".join(f"bs {r['batch_size']}: {r['host_lens_us_median']:.2f} us ({r['host_lens_us_p99']:.2f})"
                           for r in host_lens))
     except ImportError as e:  # the plugin's module runs inside SGLang, with torch
         host_lens = None
-        print(f"SPECCTL_HOST_SEQ_LENS bookkeeping not measured: {e} (run this with an SGLang environment's python, "
+        print(f"host_lens bookkeeping not measured: {e} (run this with an SGLang environment's python, "
               "e.g. .cache/sglang-0.5.17/bin/python)")
     record = {
         "benchmark": "plugin_overhead", "goal_us": 20.0, "worst_median_us": worst, "runs": runs,

@@ -12,7 +12,8 @@ import logging
 import os
 from typing import Any, Mapping, Optional
 
-from .engine import EngineController, PluginSettings, PolicyUpdate
+from .engine import EngineController, PolicyUpdate
+from .settings import PluginSettings
 
 __all__ = ["register", "EngineController", "PluginSettings", "PolicyUpdate", "default_rundir"]
 
@@ -66,5 +67,6 @@ def install(settings: PluginSettings, **kw: Any) -> Optional[Any]:
 
         return sglang_hooks.install(settings, policy_file_bytes=policy_bytes, **kw)
     except Exception as e:  # noqa: BLE001 - SGLang must start even if the plugin cannot
+        # install() registers and publishes nothing unless every part of it was built: this is then true
         log.exception("specctl: hooks not registered (%s); SGLang runs its own policy", e)
         return None

@@ -20,226 +20,16 @@ Only rank 0 ever looks at the clock or at policy frames; what it concludes (a ne
 from __future__ import annotations
 
 import logging
-import math
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping, Optional
 
 from ..controller import wire
-from ..policies.fixed import DEFAULT_CONFIG, DEFAULT_THRESHOLD, fixed_threshold
+from ..policies.fixed import fixed_threshold
 from ..policies.table import OFF, Config, PolicyTable, chain
+from .settings import PluginSettings
 
 log = logging.getLogger("specctl.plugin")
-
-MODES = ("online", "fixed", "file", "off")
-SWITCH_ON, SWITCH_OFF = ("on", "1", "true"), ("off", "0", "false")  # how a SPECCTL_ switch may be spelled
-CHECK_MODES = ("off", "on", "check")  # SPECCTL_FI_VERIFY_HOST_PLAN and SPECCTL_HOST_SEQ_LENS (with check:N)
-ENV_PREFIX = "SPECCTL_"
-
-
-@dataclass(frozen=True)
-class PluginSettings:
-    """Everything the plugin is told, read once from `SPECCTL_*` by `register()` (see from_env)."""
-
-    mode: str = "online"  # online: follow the daemon | fixed: threshold only | file: policy_file
-    #                       | off: register() installs nothing (SGLang's own policy runs)
-    server_id: str = "sglang-0"
-    telemetry_endpoint: Optional[str] = None  # None: no telemetry is sent
-    policy_endpoint: Optional[str] = None  # None: no daemon is listened to
-    fallback_threshold: int = DEFAULT_THRESHOLD
-    fallback_config: Config = DEFAULT_CONFIG
-    stale_after_s: float = 30.0  # no policy frame (heartbeats count) for this long -> fallback
-    policy_file: Optional[str] = None
-    sync_every: int = 16  # decode results between two TP broadcasts (one costs ~70 us on 2 CPU ranks)
-    telemetry_hwm: int = 10_000
-    # CURVE client certificates for a daemon reachable over tcp (specctl keys generate)
-    curve_secret_key_file: Optional[str] = None  # this engine's NAME.key_secret
-    curve_server_key_file: Optional[str] = None  # the daemon's public server.key
-    # diagnostics: every decision of this rank, one line `step batch_size steps version` ("{rank}" in
-    # the path is replaced by the TP rank): how a TP run proves every rank chose the same
-    decision_log: Optional[str] = None
-    # "off" as a true decode forward inside the EAGLE server (plugin/plain_decode.py); False: SGLang's
-    # steps-0 state (a 1-token verify) runs as it is
-    plain_decode: bool = True
-    # SGLang's split-KV verify attention kernel (upstream: AMD gfx95 only) for topk-1 chains on CUDA: on
-    # since its GPU checks passed (H200, 2026-12-02: 48/48 cases within the extend kernel's error against
-    # fp32; an s3 step through the plugin 0.84x / 0.86x the stock one at c = 1 / 16, accept length and
-    # greedy agreement with the no-spec server unchanged). SGLANG_ENABLE_SPLITKV_VERIFY=0 keeps it off too
-    splitkv_verify: bool = True
-    # SPECCTL_DRAFT_EXTEND_GRAPHS: each chain state's draft-extend CUDA graph captured at its own width
-    # (SGLang 0.5.17 captures every state's at the launch width, so steps 0 / s1 / s2 extend eagerly: on the
-    # H200, 2026-12-01, the decode state's step at batch 5 went from 10.7 to 6.7 ms under the profiler with it)
-    draft_extend_graphs: bool = True
-    # SPECCTL_SPEC_ALLOC_LIST: the speculative decode's KV allocation reads its per-request next lengths as one
-    # host list (SGLang 0.5.17 reads them one tensor scalar at a time, 2 ATen calls per request every EAGLE
-    # decode step, on the scheduler thread; 0.5.23 reads them once itself)
-    spec_alloc_list: bool = True
-    # SPECCTL_PLAIN_DECODE_FLASHINFER: the decode state on the flashinfer attention backend too (its own
-    # FlashInferAttnBackend and decode graphs, as on triton); on since its GPU checks (H100, 2026-12-06: greedy
-    # outputs 16 / 16 equal to the no-spec flashinfer server's at batch 1 and at batch 16; with SPECCTL_HOST_SEQ_LENS
-    # its step 1.024x the no-spec step at c = 1 / 4 / 16); off: flashinfer launches keep SGLang's 1-token verify
-    plain_decode_flashinfer: bool = True
-    # SPECCTL_PLAIN_DECODE_LOGPROBS: steps where a request asks for log-probabilities run the decode state
-    # too (SGLang computes them from its logits); off (the default until the GPU has compared them with the
-    # no-spec server's): those steps run the trivial verify
-    plain_decode_logprobs: bool = False
-    # SPECCTL_FI_VERIFY_HOST_PLAN: SGLang 0.5.17's TARGET_VERIFY flashinfer plan built from the host's lengths
-    # instead of plan()'s four blocking device-to-host reads (plugin/fi_verify_plan.py; on 0.5.23 SGLang's own
-    # SGLANG_OPT_FLASHINFER_VERIFY_HOST_PLAN). "off" (the default until a GPU run has checked it), "on", or
-    # "check": the first fi_verify_check_steps plans are built both ways and compared, a mismatch turns it off
-    fi_verify_host_plan: str = "off"
-    fi_verify_check_steps: int = 32
-    # SPECCTL_HOST_SEQ_LENS: a step after a decode-state step or a prefill takes its sequence lengths from the host
-    # instead of SGLang 0.5.17's device pull and its wait for the previous step, which the overlap scheduler runs
-    # for backends that plan from host lengths (flashinfer) (plugin/host_seq_lens.py). "check" (the default since
-    # its GPU run: H100, 2026-12-06, the decode state on flashinfer 1.16x -> 1.024x the no-spec step, the self-check
-    # passed in both servers), "on", or "off": with "check" the first host_seq_lens_check_steps such steps (and as
-    # many with a prefill's rows) pull too and compare, a difference turns it off; a launch whose backends plan
-    # without host lengths (triton) has nothing to skip and stands it down at its first step
-    host_seq_lens: str = "check"
-    host_seq_lens_check_steps: int = 32
-    host_seq_lens_set: bool = False  # SPECCTL_HOST_SEQ_LENS given: where it cannot apply, a warning (else info)
-    # SPECCTL_DRAFT_CATCHUP: steps 0 defers the draft's 1-token extends and extends the draft over what is
-    # pending once per this many steps-0 steps and before the first draft after plain decode
-    # (plugin/draft_catchup.py); 0 = off, SGLang's extend every step (the default: measured on the H200 it
-    # takes the decode state to 1.013-1.018x the no-spec step at c <= 16 and 1.024x at c = 128, but its c = 64
-    # throughput was below the shipped decode state's in three calls of three, unexplained)
-    draft_catchup: int = 0
-
-    def __post_init__(self) -> None:
-        if self.mode not in MODES:
-            raise ValueError(f"SPECCTL_MODE must be one of {', '.join(MODES)}, not {self.mode!r}")
-        if self.mode == "file" and not self.policy_file:
-            raise ValueError("SPECCTL_MODE=file needs SPECCTL_POLICY_FILE")
-        if self.fallback_threshold < 1:
-            raise ValueError(f"SPECCTL_FALLBACK_THRESHOLD must be >= 1, got {self.fallback_threshold}")
-        if not self.stale_after_s > 0:
-            raise ValueError(f"SPECCTL_STALE_AFTER_S must be > 0, got {self.stale_after_s}")
-        if self.sync_every < 1:
-            raise ValueError(f"SPECCTL_SYNC_EVERY must be >= 1, got {self.sync_every}")
-        if self.fi_verify_host_plan not in CHECK_MODES:
-            raise ValueError(f"SPECCTL_FI_VERIFY_HOST_PLAN must be one of on, off, check, check:N, "
-                             f"not {self.fi_verify_host_plan!r}")
-        if self.fi_verify_check_steps < 1:
-            raise ValueError(f"SPECCTL_FI_VERIFY_HOST_PLAN=check:N needs N >= 1, got {self.fi_verify_check_steps}")
-        if self.host_seq_lens not in CHECK_MODES:
-            raise ValueError(f"SPECCTL_HOST_SEQ_LENS must be one of on, off, check, check:N, not {self.host_seq_lens!r}")
-        if self.host_seq_lens_check_steps < 1:
-            raise ValueError(f"SPECCTL_HOST_SEQ_LENS=check:N needs N >= 1, got {self.host_seq_lens_check_steps}")
-        if self.draft_catchup != 0 and self.draft_catchup < 2:
-            raise ValueError(f"SPECCTL_DRAFT_CATCHUP must be off, on or a number of steps >= 2, got {self.draft_catchup}")
-        if (self.curve_secret_key_file is None) != (self.curve_server_key_file is None):
-            raise ValueError("set both SPECCTL_CURVE_SECRET_KEY and SPECCTL_CURVE_SERVER_KEY (or neither)")
-
-    @classmethod
-    def from_env(cls, env: Mapping[str, str], *, default_rundir: Optional[str] = None) -> "PluginSettings":
-        """`SPECCTL_MODE`, `SPECCTL_SERVER_ID`, `SPECCTL_RUNDIR` (ipc endpoints of `specctl serve`),
-        `SPECCTL_TELEMETRY` / `SPECCTL_POLICY` (endpoints; override the rundir ones; `none` turns
-        one off), `SPECCTL_FALLBACK_THRESHOLD`, `SPECCTL_FALLBACK_CONFIG` (`s3`, `off`, `3,1,4`),
-        `SPECCTL_STALE_AFTER_S`, `SPECCTL_POLICY_FILE`, `SPECCTL_SYNC_EVERY`,
-        `SPECCTL_CURVE_SECRET_KEY` / `SPECCTL_CURVE_SERVER_KEY` (certificate files),
-        `SPECCTL_DECISION_LOG` (a path, `{rank}` replaced: every decision of the rank, for audits),
-        `SPECCTL_PLAIN_DECODE` (`on` | `off`: speculation off as a decode forward, or SGLang's
-        1-token verify), `SPECCTL_SPLITKV_VERIFY` (`on` | `off`: the split-KV verify kernel for
-        topk-1 chains on CUDA), `SPECCTL_DRAFT_EXTEND_GRAPHS` (`on` | `off`), `SPECCTL_SPEC_ALLOC_LIST` (`on` |
-        `off`: the speculative KV allocation's lengths read as one list), `SPECCTL_PLAIN_DECODE_LOGPROBS`
-        (`on` | `off`: steps with log-probability requests in the decode state too),
-        `SPECCTL_PLAIN_DECODE_FLASHINFER` (`on` | `off`: the decode state on flashinfer too),
-        `SPECCTL_FI_VERIFY_HOST_PLAN` (`off` | `on` | `check` | `check:N`: flashinfer's verify plan from host
-        values; `check` compares it with plan()'s for the first N plans, 32 by default),
-        `SPECCTL_HOST_SEQ_LENS` (`check` | `check:N` | `on` | `off`: a step after a decode-state step or a prefill
-        takes its sequence lengths from the host; `check`, the default, compares them with the device's for the
-        first N, 32 by default),
-        `SPECCTL_DRAFT_CATCHUP` (`off` | `on` | N >= 2: steps 0 extends the draft once per N steps-0 steps,
-        16 with `on`, and before the first draft after them, instead of every step)."""
-
-        def get(name: str) -> Optional[str]:
-            v = env.get(ENV_PREFIX + name)
-            return v.strip() if v is not None and v.strip() else None
-
-        kw: dict[str, Any] = {}
-        if get("MODE"):
-            kw["mode"] = get("MODE").lower()  # type: ignore[union-attr]
-        if get("SERVER_ID"):
-            kw["server_id"] = get("SERVER_ID")
-        rundir = get("RUNDIR") or default_rundir
-        tel = get("TELEMETRY") or (f"ipc://{rundir}/telemetry.sock" if rundir else None)
-        pol = get("POLICY") or (f"ipc://{rundir}/policy.sock" if rundir else None)
-        kw["telemetry_endpoint"] = None if tel in (None, "none", "off") else tel
-        kw["policy_endpoint"] = None if pol in (None, "none", "off") else pol
-        try:
-            if get("FALLBACK_THRESHOLD"):
-                kw["fallback_threshold"] = int(get("FALLBACK_THRESHOLD"))  # type: ignore[arg-type]
-            if get("FALLBACK_CONFIG"):
-                kw["fallback_config"] = wire.parse_config(get("FALLBACK_CONFIG")).key  # type: ignore[arg-type]
-            if get("STALE_AFTER_S"):
-                kw["stale_after_s"] = float(get("STALE_AFTER_S"))  # type: ignore[arg-type]
-            if get("SYNC_EVERY"):
-                kw["sync_every"] = int(get("SYNC_EVERY"))  # type: ignore[arg-type]
-        except ValueError as e:
-            raise ValueError(f"bad SPECCTL_* setting: {e}") from None
-        kw["curve_secret_key_file"] = get("CURVE_SECRET_KEY")
-        kw["curve_server_key_file"] = get("CURVE_SERVER_KEY")
-        kw["decision_log"] = get("DECISION_LOG")
-        for name, field_, default in (("PLAIN_DECODE", "plain_decode", "on"), ("SPLITKV_VERIFY", "splitkv_verify", "on"),
-                                      ("DRAFT_EXTEND_GRAPHS", "draft_extend_graphs", "on"),
-                                      ("SPEC_ALLOC_LIST", "spec_alloc_list", "on"),
-                                      ("PLAIN_DECODE_LOGPROBS", "plain_decode_logprobs", "off"),
-                                      ("PLAIN_DECODE_FLASHINFER", "plain_decode_flashinfer", "on")):
-            v = (get(name) or default).lower()
-            if v not in SWITCH_ON + SWITCH_OFF:
-                raise ValueError(f"SPECCTL_{name} must be on or off, not {v!r}")
-            kw[field_] = v in SWITCH_ON
-        kw["draft_catchup"] = _draft_catchup(get("DRAFT_CATCHUP"))
-        kw["fi_verify_host_plan"], steps = _fi_verify_host_plan(get("FI_VERIFY_HOST_PLAN"))
-        if steps is not None:
-            kw["fi_verify_check_steps"] = steps
-        kw["host_seq_lens"], steps = _check_mode(get("HOST_SEQ_LENS") or "check", "SPECCTL_HOST_SEQ_LENS")
-        kw["host_seq_lens_set"] = get("HOST_SEQ_LENS") is not None
-        if steps is not None:
-            kw["host_seq_lens_check_steps"] = steps
-        if get("POLICY_FILE"):
-            kw["policy_file"] = get("POLICY_FILE")
-            kw.setdefault("mode", "file")
-        return cls(**kw)
-
-
-DRAFT_CATCHUP_ON = 16  # SPECCTL_DRAFT_CATCHUP=on: steps-0 steps between two catch-ups at most
-
-
-def _draft_catchup(value: Optional[str]) -> int:
-    """SPECCTL_DRAFT_CATCHUP: off (0), on (DRAFT_CATCHUP_ON) or a number of steps."""
-    v = (value or "off").lower()
-    if v in SWITCH_OFF:
-        return 0
-    if v in SWITCH_ON:
-        return DRAFT_CATCHUP_ON
-    try:
-        return int(v)
-    except ValueError:
-        raise ValueError(f"SPECCTL_DRAFT_CATCHUP must be off, on or a number of steps, not {value!r}") from None
-
-
-def _fi_verify_host_plan(value: Optional[str]) -> tuple[str, Optional[int]]:
-    """SPECCTL_FI_VERIFY_HOST_PLAN: (mode, check steps or None for the default)."""
-    return _check_mode(value, "SPECCTL_FI_VERIFY_HOST_PLAN")
-
-
-def _check_mode(value: Optional[str], name: str) -> tuple[str, Optional[int]]:
-    """An off / on / check / check:N switch: (mode, check steps or None for the default)."""
-    v = (value or "off").lower()
-    if v in SWITCH_ON:
-        return "on", None
-    if v in SWITCH_OFF:
-        return "off", None
-    mode, sep, n = v.partition(":")
-    if mode == "check":
-        try:
-            return "check", int(n) if sep else None
-        except ValueError:
-            pass
-    raise ValueError(f"{name} must be one of on, off, check, check:N, not {value!r}")
-
 
 @dataclass(frozen=True)
 class PolicyUpdate:
@@ -281,7 +71,6 @@ class EngineController:
         self.candidate_steps: frozenset[int] = frozenset(int(s) for s in candidate_steps)
         if not self.candidate_steps:
             raise ValueError("no candidate steps: SGLang built no adaptive runtime state")
-        self._config_frag: dict[int, bytes] = {}
         self._set_states(state_configs(self.candidate_steps, states))
         self.stats = EngineStats()
         self._logged: set[str] = set()
@@ -298,19 +87,8 @@ class EngineController:
         self._last_frame_at: Optional[float] = None
         self._started_at = clock() if rank == 0 else 0.0
         self._no_daemon_reported = False
-        self._prefix = (
-            '{"kind":"step","schema":1,"server":' + _json_str(settings.server_id)
-            + ',"rank":' + str(int(rank)) + ',"iter":'
-        ).encode()
+        self._encoder = wire.StepEncoder(settings.server_id, int(rank))
         self._trace: Any = None
-        if settings.decision_log:
-            path = settings.decision_log.replace("{rank}", str(int(rank)))
-            try:
-                self._trace = open(path, "a", buffering=1 << 16)
-                self._trace.write(f"# specctl decisions rank {int(rank)}: step batch_size steps version [ctx_tokens]\n")
-            except OSError as e:
-                self._log_once("warning", f"no decision log ({e})")
-
         if settings.mode == "fixed":
             self.active_source = "fixed"
         elif settings.mode == "file":
@@ -322,6 +100,9 @@ class EngineController:
         else:
             where = settings.policy_endpoint or "no SPECCTL_POLICY endpoint"
             self._fall_back(f"no policy received yet (daemon at {where})")
+        # last: a file is opened only once nothing above can fail
+        if settings.decision_log:
+            self._trace = _open_trace(settings.decision_log, int(rank), self._log_once)
 
     # ------------------------------------------------------------------ decision (every rank)
 
@@ -487,7 +268,6 @@ class EngineController:
         self.states = states
         # a result names its configuration only by its width (draft tokens verified per request)
         self._by_width: dict[int, Config] = {c[2]: c for c in states.values()}
-        self._config_frag.clear()  # the step-frame fragments cached per width
 
     def fail(self, reason: str) -> None:
         """An internal error: the fixed-threshold fallback for the rest of this process."""
@@ -501,29 +281,13 @@ class EngineController:
     def step_record(self, *, iter: int, ts: float, batch_size: int, draft_tokens: int,
                     accepted: Optional[list[int]], step_ms: float,
                     ctx_tokens: Optional[int] = None, off_path: Optional[str] = None) -> bytes:
-        """One DESIGN.md `step` frame, exactly `wire.encode(StepRecord(...))`. The configuration is
-        the runtime state that produced this result, known by its width (`states` keeps widths
-        unique); a width no state has is read as the chain of `draft_tokens - 1` steps."""
-        frag = self._config_frag.get(draft_tokens)
-        if frag is None:
-            c = self._by_width.get(draft_tokens) or chain(draft_tokens - 1 if draft_tokens > 1 else 0)
-            frag = (',"config":{"steps":%d,"topk":%d,"draft_tokens":%d}' % c).encode()
-            self._config_frag[draft_tokens] = frag
-        if draft_tokens > 1 and accepted is not None:
-            acc = b',"accepted":[' + _int_list(accepted) + b"]"
-        else:
-            acc = b""
-        ms = float(step_ms)
-        tail = b'}'
-        if off_path is not None and draft_tokens == 1:  # the wire's field order: ctx_tokens, off_path
-            tail = (_OFF_DECODE if off_path == "decode" else _OFF_VERIFY) + tail
-        if ctx_tokens is not None:
-            tail = b',"ctx_tokens":%d' % ctx_tokens + tail
-        return b"".join((
-            self._prefix, b"%d" % iter, b',"ts":', repr(float(ts)).encode(),
-            b',"batch_size":%d' % batch_size, frag, acc,
-            b',"step_ms":', (repr(ms) if math.isfinite(ms) else "null").encode(), tail,
-        ))
+        """One DESIGN.md `step` frame, exactly `wire.encode(StepRecord(...))` (wire.StepEncoder). The configuration
+        is the runtime state that produced this result, known by its width (`states` keeps widths unique); a width
+        no state has is read as the chain of `draft_tokens - 1` steps."""
+        c = self._by_width.get(draft_tokens) or chain(draft_tokens - 1 if draft_tokens > 1 else 0)
+        return self._encoder.encode(iter=iter, ts=ts, batch_size=batch_size, config=c,
+                                    accepted=accepted if draft_tokens > 1 else None, step_ms=step_ms,
+                                    ctx_tokens=ctx_tokens, off_path=off_path if draft_tokens == 1 else None)
 
     # ------------------------------------------------------------------ helpers
 
@@ -606,6 +370,20 @@ class EngineController:
         getattr(log, level)("specctl: %s", msg)
 
 
+def _open_trace(pattern: str, rank: int, log_once: Callable[[str, str], None]) -> Any:
+    path = pattern.replace("{rank}", str(rank))
+    f = None
+    try:
+        f = open(path, "a", buffering=1 << 16)
+        f.write(f"# specctl decisions rank {rank}: step batch_size steps version [ctx_tokens]\n")
+        return f
+    except OSError as e:
+        if f is not None:
+            f.close()
+        log_once("warning", f"no decision log ({e})")
+        return None
+
+
 def state_configs(keys: Iterable[int], states: Optional[Mapping[int, Config]] = None) -> dict[int, Config]:
     """Key -> configuration of every runtime state: `states` where given, else the chain of that many
     steps. Widths must be unique (telemetry tells configurations apart by width alone), and key 0 is
@@ -640,26 +418,3 @@ def _describe(t: PolicyTable) -> str:
     if t.challenge:
         parts.append(f"challenge 1/{t.challenge_period}")
     return ", ".join(parts)
-
-
-_OFF_DECODE, _OFF_VERIFY = b',"off_path":"decode"', b',"off_path":"verify"'
-_DIGIT = bytes(range(48, 58)) + bytes(246)  # byte value v < 10 -> ASCII digit
-_BELOW_10 = bytes(range(10))
-_INT_BYTES = [str(i).encode() for i in range(256)]
-
-
-def _int_list(values: list[int]) -> bytes:
-    """`3,1,0,2` for accepted-draft counts: C-speed when all are < 10 (the common case; a per-element
-    Python loop costs ~0.3 us a request, too much at batch 256 on the scheduler thread)."""
-    b = bytes(values)  # ValueError outside 0..255: the caller's telemetry guard turns it off
-    if b.translate(None, _BELOW_10):
-        return b",".join([_INT_BYTES[v] for v in b])
-    out = bytearray(b"," * (2 * len(b) - 1))
-    out[::2] = b.translate(_DIGIT)
-    return bytes(out)
-
-
-def _json_str(s: str) -> str:
-    import json
-
-    return json.dumps(s)

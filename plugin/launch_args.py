@@ -41,9 +41,9 @@ PLAIN_DECODE_NOTE = (
     "captures at start-up beside SGLang's (one more set of decode graphs and an attention backend; the "
     "scheduler log says once what it took: 'specctl: decode state built: ... GB, ... s'; 0.2-0.7 GB and 4-10 s on "
     "the H200 testbed, where an off step cost 1.03-1.04x a no-spec decode step at c=1-64 with each state's "
-    "draft extend in its own graph, SPECCTL_DRAFT_EXTEND_GRAPHS=on, the default); SPECCTL_PLAIN_DECODE=off keeps "
+    "draft extend in its own graph, patch draft_graphs, on by default); SPECCTL_PATCHES=plain_decode=off keeps "
     "SGLang's steps-0 state (a 1-token verify, 1.25-1.53x a decode step there). Speculative steps verify with "
-    "SGLang's split-KV kernel on triton (0.84-0.86x the stock s3 step there; SPECCTL_SPLITKV_VERIFY=off: the "
+    "SGLang's split-KV kernel on triton (0.84-0.86x the stock s3 step there; SPECCTL_PATCHES=splitkv=off: the "
     "extend kernel)")
 
 
@@ -58,8 +58,8 @@ class LaunchArgs:
         cfg = json.dumps(self.adaptive_config)
         env = " ".join(f"{k}={shlex.quote(v)}" for k, v in self.env.items())
         flags = " ".join(shlex.quote(f) for f in self.flags)
-        plain = ("# " + ("SPECCTL_PLAIN_DECODE=off: speculation off is SGLang's 1-token verify"
-                         if self.env.get("SPECCTL_PLAIN_DECODE") == "off" else PLAIN_DECODE_NOTE) + "\n")
+        plain = ("# " + ("SPECCTL_PATCHES=plain_decode=off: speculation off is SGLang's 1-token verify"
+                         if self.env.get("SPECCTL_PATCHES") == "plain_decode=off" else PLAIN_DECODE_NOTE) + "\n")
         return (f"# set MODEL and DRAFT (its EAGLE-3 draft model); add your other server flags\n{plain}"
                 f"cat > {shlex.quote(self.config_path)} <<'JSON'\n{cfg}\nJSON\n"
                 f'{env} {launcher} --model-path "$MODEL" --speculative-draft-model-path "$DRAFT" {flags}\n')
@@ -162,12 +162,10 @@ def build(candidates: Sequence[Config] = DEFAULT_CANDIDATES, *, algorithm: str =
     env = {"SPECCTL_MODE": mode, "SPECCTL_SERVER_ID": server_id}
     if rundir:
         env["SPECCTL_RUNDIR"] = rundir
-    if fallback_threshold != DEFAULT_THRESHOLD:
-        env["SPECCTL_FALLBACK_THRESHOLD"] = str(fallback_threshold)
-    if tuple(fallback_config) != DEFAULT_CONFIG:
-        env["SPECCTL_FALLBACK_CONFIG"] = ",".join(map(str, fallback_config))
+    if fallback_threshold != DEFAULT_THRESHOLD or tuple(fallback_config) != DEFAULT_CONFIG:
+        env["SPECCTL_FALLBACK"] = f"{fallback_threshold}:" + ",".join(map(str, fallback_config))
     if not plain_decode:
-        env["SPECCTL_PLAIN_DECODE"] = "off"
+        env["SPECCTL_PATCHES"] = "plain_decode=off"
     # one slot from batch 1 up: every candidate is reachable (and CUDA-graph captured) at every size
     cfg: dict[str, Any] = {"1": {"candidate_steps": steps}}
     if trees:

@@ -18,52 +18,49 @@ SGLANG_ADAPTIVE_MAX_STEPS = 7
 
 
 SKIP_DE = "+skipde"  # policy suffix: SGLANG_SPEC_SKIP_ZERO_STEP_DRAFT_EXTEND=1 (0.5.17: steps 0 skips the draft's extend)
-VERIFY_OFF = "+verify"  # plugin policy suffix: SPECCTL_PLAIN_DECODE=off (steps 0 is SGLang's trivial verify, not the decode state)
-DE_GRAPHS = "+deg"  # plugin policy suffix: SPECCTL_DRAFT_EXTEND_GRAPHS=on (each chain state's draft extend in its own graph;
-#                     the plugin's default since 2026-12-01: kept so that that lease's commands still mean what they did)
-NO_DE_GRAPHS = "+nodeg"  # plugin policy suffix: SPECCTL_DRAFT_EXTEND_GRAPHS=off (0.5.17's launch-width graphs: the control)
-SPLITKV = "+splitkv"  # plugin policy suffix: SPECCTL_SPLITKV_VERIFY=on (SGLang's split-KV verify kernel for topk-1 chains;
-#                       the plugin's default since 2026-12-02: kept so that earlier commands still mean what they did)
-STOCK_VERIFY = "+stockverify"  # plugin policy suffix: SPECCTL_SPLITKV_VERIFY=off (SGLang's extend kernel: the control)
-LOGPROBS = "+lp"  # plugin policy suffix: SPECCTL_PLAIN_DECODE_LOGPROBS=on (logprob steps in the decode state too)
-FLASHINFER = "+fi"  # plugin policy suffix: SPECCTL_PLAIN_DECODE_FLASHINFER=on (the decode state on flashinfer too; the
-#                     plugin's default since 2026-12-06: kept so that that day's commands still mean what they did)
-NO_FLASHINFER = "+nofi"  # plugin policy suffix: SPECCTL_PLAIN_DECODE_FLASHINFER=off (flashinfer's trivial verify: the control)
-FI_HOST_PLAN = "+fihost"  # plugin policy suffix: SPECCTL_FI_VERIFY_HOST_PLAN=check (flashinfer's verify plan from host
-#                           values, compared with plan()'s for its first 32 plans; a mismatch logs and turns it off)
-HOST_LENS = "+hostlens"  # plugin policy suffix: SPECCTL_HOST_SEQ_LENS=check (a step after a decode-state step or a
-#                         prefill takes its sequence lengths from the host, compared with the device pull at first;
-#                         the plugin's default since 2026-12-06)
-NO_HOST_LENS = "+nohostlens"  # plugin policy suffix: SPECCTL_HOST_SEQ_LENS=off (SGLang's device pull every step: the control)
-CATCHUP = "+catchup"  # plugin policy suffix: SPECCTL_DRAFT_CATCHUP=on (steps 0 extends the draft once per 16 steps-0 steps
-#                       and before the next draft, not every step: plugin/draft_catchup.py)
-SCALAR_ALLOC = "+scalaralloc"  # plugin policy suffix: SPECCTL_SPEC_ALLOC_LIST=off (0.5.17's speculative KV allocation reads
-#                               each request's length as a tensor scalar: the control of the plugin's default)
-# a plugin policy's suffix -> (parse_policy's field, its value, the plugin's switch, its setting, why a plugin)
+VERIFY_OFF = "+verify"  # plugin policy suffix: plain_decode=off (steps 0 is SGLang's trivial verify, not the decode state)
+DE_GRAPHS = "+deg"  # plugin policy suffix: draft_graphs=on (each chain state's draft extend in its own graph; the default)
+NO_DE_GRAPHS = "+nodeg"  # plugin policy suffix: draft_graphs=off (0.5.17's launch-width graphs: the control)
+SPLITKV = "+splitkv"  # plugin policy suffix: splitkv=on (SGLang's split-KV verify kernel for topk-1 chains; the default)
+STOCK_VERIFY = "+stockverify"  # plugin policy suffix: splitkv=off (SGLang's extend kernel: the control)
+LOGPROBS = "+lp"  # plugin policy suffix: plain_logprobs=on (logprob steps in the decode state too)
+FLASHINFER = "+fi"  # plugin policy suffix: plain_flashinfer=on (the decode state on flashinfer too; the default)
+NO_FLASHINFER = "+nofi"  # plugin policy suffix: plain_flashinfer=off (flashinfer's trivial verify: the control)
+FI_HOST_PLAN = "+fihost"  # plugin policy suffix: fi_plan=check (flashinfer's verify plan from host values, compared
+#                           with plan()'s for its first 32 plans; a mismatch logs and turns it off)
+HOST_LENS = "+hostlens"  # plugin policy suffix: host_lens=check (a step after a decode-state step or a prefill takes its
+#                         sequence lengths from the host, compared with the device pull at first; the default)
+NO_HOST_LENS = "+nohostlens"  # plugin policy suffix: host_lens=off (SGLang's device pull every step: the control)
+CATCHUP = "+catchup"  # plugin policy suffix: catchup=on (steps 0 extends the draft once per 16 steps-0 steps and before
+#                       the next draft, not every step: plugin/patches/catchup.py)
+SCALAR_ALLOC = "+scalaralloc"  # plugin policy suffix: spec_alloc=off (0.5.17's speculative KV allocation reads each
+#                               request's length as a tensor scalar: the control of the plugin's default)
+# a plugin policy's suffix -> (parse_policy's field, its value, the plugin's patch (SPECCTL_PATCHES), its setting,
+# why a plugin)
 PLUGIN_SWITCHES = {
-    VERIFY_OFF: ("plain_decode", False, "SPECCTL_PLAIN_DECODE", "off", "it turns the plugin's decode state off"),
-    DE_GRAPHS: ("draft_extend_graphs", True, "SPECCTL_DRAFT_EXTEND_GRAPHS", "on",
-                "the plugin sizes the draft-extend graphs"),
-    NO_DE_GRAPHS: ("draft_extend_graphs", False, "SPECCTL_DRAFT_EXTEND_GRAPHS", "off",
-                   "the plugin sizes the draft-extend graphs"),
-    SPLITKV: ("splitkv_verify", True, "SPECCTL_SPLITKV_VERIFY", "on", "the plugin turns the kernel on"),
-    STOCK_VERIFY: ("splitkv_verify", False, "SPECCTL_SPLITKV_VERIFY", "off", "the kernel switch is the plugin's"),
-    LOGPROBS: ("plain_decode_logprobs", True, "SPECCTL_PLAIN_DECODE_LOGPROBS", "on",
-               "it lets logprob steps into its decode state"),
-    FLASHINFER: ("plain_decode_flashinfer", True, "SPECCTL_PLAIN_DECODE_FLASHINFER", "on",
-                 "it builds its decode state on flashinfer"),
-    FI_HOST_PLAN: ("fi_verify_host_plan", True, "SPECCTL_FI_VERIFY_HOST_PLAN", "check",
-                   "it plans flashinfer's verify from host values"),
-    HOST_LENS: ("host_seq_lens", True, "SPECCTL_HOST_SEQ_LENS", "check",
-                "it keeps the decode state's sequence lengths on the host"),
-    NO_FLASHINFER: ("plain_decode_flashinfer", False, "SPECCTL_PLAIN_DECODE_FLASHINFER", "off",
+    VERIFY_OFF: ("plain_decode", False, "plain_decode", "off", "it turns the plugin's decode state off"),
+    DE_GRAPHS: ("draft_extend_graphs", True, "draft_graphs", "on", "the plugin sizes the draft-extend graphs"),
+    NO_DE_GRAPHS: ("draft_extend_graphs", False, "draft_graphs", "off", "the plugin sizes the draft-extend graphs"),
+    SPLITKV: ("splitkv_verify", True, "splitkv", "on", "the plugin turns the kernel on"),
+    STOCK_VERIFY: ("splitkv_verify", False, "splitkv", "off", "the kernel switch is the plugin's"),
+    LOGPROBS: ("plain_decode_logprobs", True, "plain_logprobs", "on", "it lets logprob steps into its decode state"),
+    FLASHINFER: ("plain_decode_flashinfer", True, "plain_flashinfer", "on", "it builds its decode state on flashinfer"),
+    FI_HOST_PLAN: ("fi_verify_host_plan", True, "fi_plan", "check", "it plans flashinfer's verify from host values"),
+    HOST_LENS: ("host_seq_lens", True, "host_lens", "check", "it keeps the decode state's sequence lengths on the host"),
+    NO_FLASHINFER: ("plain_decode_flashinfer", False, "plain_flashinfer", "off",
                     "it builds its decode state on flashinfer unless told not to"),
-    NO_HOST_LENS: ("host_seq_lens", False, "SPECCTL_HOST_SEQ_LENS", "off",
+    NO_HOST_LENS: ("host_seq_lens", False, "host_lens", "off",
                    "it keeps the decode state's sequence lengths on the host unless told not to"),
-    CATCHUP: ("draft_catchup", True, "SPECCTL_DRAFT_CATCHUP", "on", "it defers the steps-0 draft extends"),
-    SCALAR_ALLOC: ("spec_alloc_list", False, "SPECCTL_SPEC_ALLOC_LIST", "off",
+    CATCHUP: ("draft_catchup", True, "catchup", "on", "it defers the steps-0 draft extends"),
+    SCALAR_ALLOC: ("spec_alloc_list", False, "spec_alloc", "off",
                    "the plugin hands SGLang's speculative KV allocation its lengths as a list"),
 }
+
+
+def env_patches(env):
+    """SPECCTL_PATCHES of a server's environment as {patch: setting} (empty: every patch at its default)."""
+    items = [x.split("=", 1) for x in env.get("SPECCTL_PATCHES", "").split(",") if x]
+    return {k: v for k, v in items}
 
 
 # any policy's suffix -> the SGLang flags it adds to that server (the identity probe's controls: is a parting
@@ -84,13 +81,8 @@ def parse_policy(pol):
     plain decode inside the EAGLE-3 server at every batch size (the steps-0 state's cost).
     Any speculative policy may end in +skipde: the server runs with SGLANG_SPEC_SKIP_ZERO_STEP_DRAFT_EXTEND=1
     (its steps-0 state no longer extends the draft; an upshift then drafts from stale state); a plugin policy
-    in +verify (SPECCTL_PLAIN_DECODE=off), +deg (SPECCTL_DRAFT_EXTEND_GRAPHS=on, the default) and +nodeg
-    (SPECCTL_DRAFT_EXTEND_GRAPHS=off), +splitkv (SPECCTL_SPLITKV_VERIFY=on, the default) and +stockverify
-    (off), +lp (SPECCTL_PLAIN_DECODE_LOGPROBS=on), +fi (SPECCTL_PLAIN_DECODE_FLASHINFER=on, the default) and
-    +nofi (off), +fihost (SPECCTL_FI_VERIFY_HOST_PLAN=check), +hostlens (SPECCTL_HOST_SEQ_LENS=check, the default)
-    and +nohostlens (off), +catchup
-    (SPECCTL_DRAFT_CATCHUP=on), +scalaralloc (SPECCTL_SPEC_ALLOC_LIST=off), in any order
-    (PLUGIN_SWITCHES). Any policy may end in +nooverlap (--disable-overlap-schedule) and +eager
+    in +verify, +deg / +nodeg, +splitkv / +stockverify, +lp, +fi / +nofi, +fihost, +hostlens / +nohostlens,
+    +catchup, +scalaralloc, in any order: each one patch's setting in SPECCTL_PATCHES (PLUGIN_SWITCHES). Any policy may end in +nooverlap (--disable-overlap-schedule) and +eager
     (--disable-cuda-graph): SERVER_FLAGS."""
     base, suffixes = pol, set()
     known = (SKIP_DE, *PLUGIN_SWITCHES, *SERVER_FLAGS)
@@ -194,9 +186,12 @@ def policy_launch_args(pol, draft, specctl_max_steps=3):
     args, env, cfg = _launch_args(p, draft, specctl_max_steps)
     if p.get("skip_zero_draft_extend"):
         env = dict(env, SGLANG_SPEC_SKIP_ZERO_STEP_DRAFT_EXTEND="1")
-    for field_, value, var, setting, _ in PLUGIN_SWITCHES.values():
+    patches = dict(env_patches(env))
+    for field_, value, patch, setting, _ in PLUGIN_SWITCHES.values():
         if p.get(field_) is value:
-            env = dict(env, **{var: setting})
+            patches[patch] = setting
+    if patches:
+        env = dict(env, SPECCTL_PATCHES=",".join(f"{k}={v}" for k, v in patches.items()))
     return args + list(p.get("server_flags", ())), env, cfg
 
 
@@ -214,8 +209,7 @@ def _launch_args(p, draft, specctl_max_steps):
         if p["threshold"] == 1:  # plugin-fixed:1:sN, steps 0 everywhere: both states built for every batch size
             cfg = {"1": {"candidate_steps": [0, p["steps"]]}}
         env = {} if p["kind"] == "threshold" else {"SGLANG_PLUGINS": "specctl", "SPECCTL_MODE": "fixed",
-                                                    "SPECCTL_FALLBACK_THRESHOLD": str(p["threshold"]),
-                                                    "SPECCTL_FALLBACK_CONFIG": f"s{p['steps']}"}
+                                                    "SPECCTL_FALLBACK": f"{p['threshold']}:s{p['steps']}"}
         return eagle_args(draft, p["steps"]) + ["--speculative-adaptive"], env, cfg
     if p["kind"] == "sglang-adaptive":
         return eagle_args(draft, SGLANG_ADAPTIVE_MAX_STEPS) + ["--speculative-adaptive"], {}, None

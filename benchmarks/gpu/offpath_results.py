@@ -10,8 +10,8 @@ run_bench.py outputs of one or more device calls:
 Reads the run_bench rows of these policies (any call may hold any of them):
   off                          -> no-spec                   (a server launched without speculation)
   plugin-fixed:1:s3            -> the decode state          (the plugin holding "off" at every batch size)
-  plugin-fixed:1:s3+verify     -> SGLang's trivial verify   (the same, SPECCTL_PLAIN_DECODE=off)
-  plugin-fixed:1:s3+deg        -> the decode state, each state's draft extend in its own graph (SPECCTL_DRAFT_EXTEND_GRAPHS=on;
+  plugin-fixed:1:s3+verify     -> SGLang's trivial verify   (the same, plain_decode=off)
+  plugin-fixed:1:s3+deg        -> the decode state, each state's draft extend in its own graph (draft_graphs=on;
                                   the plugin's default since 2026-12-01: before that, plugin-fixed:1:s3 ran without it)
   plugin-fixed:1:s3+nodeg      -> the decode state with 0.5.17's launch-width draft-extend graphs (the control)
   plugin-fixed:1000:s3(+splitkv | +stockverify) -> s3 at every batch size with / without the split-KV verify kernel
@@ -40,12 +40,12 @@ NO_SPEC_POLICY, DECODE_STATE, TRIVIAL = "off", "plugin-fixed:1:s3", "plugin-fixe
 SKIP_DE = "+skipde"  # the decode state without the steps-0 draft extend (SGLANG_SPEC_SKIP_ZERO_STEP_DRAFT_EXTEND=1)
 DECODE_STATE_DEG = "plugin-fixed:1:s3+deg"  # the decode state with the steps-0 draft extend in its own graph
 DECODE_STATE_NODEG = "plugin-fixed:1:s3+nodeg"  # ... and without (0.5.17's launch-width graphs)
-DECODE_STATE_CATCHUP = "plugin-fixed:1:s3+catchup"  # ... with the steps-0 draft extends deferred (SPECCTL_DRAFT_CATCHUP)
+DECODE_STATE_CATCHUP = "plugin-fixed:1:s3+catchup"  # ... with the steps-0 draft extends deferred (catchup)
 STEP_POLICIES = ("off", DECODE_STATE, TRIVIAL, DECODE_STATE_DEG, DECODE_STATE_NODEG, DECODE_STATE_CATCHUP)
 
 
 def shipped(pol: str) -> str:
-    """A policy as the plugin now ships it: +deg is the default (SPECCTL_DRAFT_EXTEND_GRAPHS=on), so
+    """A policy as the plugin now ships it: +deg is the default (draft_graphs=on), so
     specctl+deg is specctl and plugin-fixed:5:s3+deg+skipde is plugin-fixed:5:s3+skipde."""
     return pol.replace("+deg", "")
 RESYNC, RESYNC_SKIP = "plugin-fixed:5:s3", "plugin-fixed:5:s3+skipde"
@@ -55,7 +55,7 @@ RESYNC_CATCHUP = "plugin-fixed:5:s3+catchup"  # the resync probe with the steps-
 def step_name(pol: str) -> str:
     """A policy's name in the step-cost columns: +lp (log-probability steps in the decode state) changes
     nothing on the loads' steps, which ask for none; +fi (the decode state on flashinfer) is the decode state
-    of a flashinfer call (the record's attention_backend); +hostlens (SPECCTL_HOST_SEQ_LENS) is the decode state
+    of a flashinfer call (the record's attention_backend); +hostlens (host_lens) is the decode state
     with its lengths kept on the host (the record's calls name it). Two policies of one call with one step name
     are refused (`folded_twice`)."""
     return re.sub(r"\+(lp|fi|hostlens)(?=\+|$)", "", pol)
@@ -324,7 +324,7 @@ def build(benches: list[dict], calls: list[str], log_dirs: list[str] | None = No
                              # the reference continued from the run's own text (run_bench.resync_probe, stage 3)
                              "accept_same_text": a.get("accept_same_text"),
                              "accept_same_text_skip_control": s.get("accept_same_text"),
-                             # the draft's steps-0 extends deferred to catch-ups (SPECCTL_DRAFT_CATCHUP)
+                             # the draft's steps-0 extends deferred to catch-ups (catchup)
                              "accept_after_catchup": c.get("accept_after"),
                              "accept_same_text_catchup": c.get("accept_same_text"),
                              "off_stretch_s": a.get("off_stretch_s"), "details": rs}

@@ -40,6 +40,6 @@ specctl_site() {
   python3 "$G/plugin_smoke.py" site . "$SP" >/dev/null || { echo "specctl site FAILED" | tee -a "$logf"; return 3; }
   export PYTHONPATH=$SITE:$SP
   echo "overlay ready ($(du -sh "$SITE" | cut -f1)); $(python3 -c 'import importlib.metadata as m; print([e.value for e in m.entry_points(group="sglang.srt.plugins")])' 2>&1)" | tee -a "$logf"
-  python3 -c 'import specctl.plugin, specctl.plugin.sglang_hooks, zmq, pydantic, sys; print("specctl.plugin imports OK; sklearn loaded:", "sklearn" in sys.modules)' 2>&1 | tee -a "$logf"
+  python3 -c 'import specctl.plugin, specctl.plugin.sglang_hooks, specctl.plugin.patches.plain_decode, zmq, pydantic, sys; print("specctl.plugin imports OK; sklearn loaded:", "sklearn" in sys.modules)' 2>&1 | tee -a "$logf"
   python3 -c 'import specctl.plugin, zmq, pydantic' 2>/dev/null || { echo "specctl.plugin does not import" | tee -a "$logf"; return 3; }
 }

@@ -36,7 +36,7 @@ launched with an adaptive config whose candidates are 0..3; an unmeasured learni
 --specctl-learn levels first) | plugin-fixed:T:sN (threshold:T:sN decided by the plugin in fixed mode,
 telemetry to a daemon: the same server with and without the plugin; plugin-fixed:1:sN = steps 0 at every batch
 size). Any adaptive policy may end in +skipde (SGLANG_SPEC_SKIP_ZERO_STEP_DRAFT_EXTEND=1 on its server), a plugin
-policy in +verify (SPECCTL_PLAIN_DECODE=off: "off" is SGLang's 1-token trivial verify, not the plugin's decode state).
+policy in +verify (SPECCTL_PATCHES=plain_decode=off: "off" is SGLang's 1-token trivial verify, not the plugin's decode state).
 --resync POLS runs the draft-resync probe on those servers first (before anything else reaches them): see resync_probe.
 specctl is installed as a PYTHONPATH folder (specctl_side.make_site), no wheel needed.
 Writes OUT/bench-<variant>.json (the results format of issue 5), OUT/profile-<variant>.json, OUT/<policy>.log,

@@ -59,10 +59,11 @@ def plugin_env(*, mode: str, rundir: str, server_id: str, decision_log: Optional
         env["SPECCTL_DECISION_LOG"] = decision_log
     if stale_after_s is not None:
         env["SPECCTL_STALE_AFTER_S"] = str(stale_after_s)
-    if threshold is not None:
-        env["SPECCTL_FALLBACK_THRESHOLD"] = str(threshold)
-    if config is not None:
-        env["SPECCTL_FALLBACK_CONFIG"] = config
+    if threshold is not None or config is not None:
+        from specctl.policies.fixed import DEFAULT_CONFIG, DEFAULT_THRESHOLD
+
+        default = ",".join(map(str, DEFAULT_CONFIG))
+        env["SPECCTL_FALLBACK"] = f"{DEFAULT_THRESHOLD if threshold is None else threshold}:{config or default}"
     return env
 
 

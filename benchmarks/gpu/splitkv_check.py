@@ -1,5 +1,5 @@
 """THERE (the GPU): SGLang's split-KV verify kernel against its extend kernel and an fp32 reference, on topk-1
-chains, before SPECCTL_SPLITKV_VERIFY can default to on (issue "cheaper speculative steps", item 1).
+chains, before the splitkv patch can default to on (issue "cheaper speculative steps", item 1).
 
   PYTHONPATH=/tmp/site python3 benchmarks/gpu/splitkv_check.py OUT.json [--heads 9,3,64] [--quick]
 

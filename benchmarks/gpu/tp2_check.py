@@ -147,7 +147,7 @@ def parse_decisions(path: str) -> dict:
 
 
 def count_decisions(path: str) -> int:
-    """Cheap: decision lines flushed so far (the plugin flushes every SPECCTL_SYNC_EVERY results)."""
+    """Cheap: decision lines flushed so far (the plugin flushes at every TP sync, every 16 results)."""
     try:
         with open(path, "rb") as f:
             data = f.read()

@@ -107,8 +107,7 @@ def test_policies():
     args, env, cfg = B.policy_launch_args("plugin-fixed:5:s3", "/d")  # the same server as threshold:5:s3, plus the plugin
     assert cfg == {"1": {"candidate_steps": [3]}, "5": {"candidate_steps": [0]}}
     assert args == B.policy_launch_args("threshold:5:s3", "/d")[0]
-    assert env == {"SGLANG_PLUGINS": "specctl", "SPECCTL_MODE": "fixed", "SPECCTL_FALLBACK_THRESHOLD": "5",
-                   "SPECCTL_FALLBACK_CONFIG": "s3"}
+    assert env == {"SGLANG_PLUGINS": "specctl", "SPECCTL_MODE": "fixed", "SPECCTL_FALLBACK": "5:s3"}
     args, env, cfg = B.policy_launch_args("specctl", "/d")
     assert env == {"SGLANG_PLUGINS": "specctl"} and cfg["1"]["candidate_steps"] == [0, 1, 2, 3]
     with pytest.raises(ValueError):
@@ -336,7 +335,7 @@ def test_tree_policies():
     assert args[args.index("--speculative-eagle-topk") + 1] == "1" and "--speculative-adaptive" in args
     assert args[args.index("--speculative-draft-model-path") + 1] == "/d"
     assert "--speculative-adaptive-config" not in args  # run_bench adds the path it writes cfg to
-    assert env["SPECCTL_MODE"] == "fixed" and env["SPECCTL_FALLBACK_CONFIG"] == "2,4,16" and env["SGLANG_PLUGINS"] == "specctl"
+    assert env["SPECCTL_MODE"] == "fixed" and env["SPECCTL_FALLBACK"] == "5:2,4,16" and env["SGLANG_PLUGINS"] == "specctl"
     args, env, cfg = B.policy_launch_args("specctl:tree", "/d")
     assert env["SPECCTL_MODE"] == "online" and cfg["specctl"] == {"states": {"2": [2, 4, 16]}}
     assert B.daemon_configs(B.parse_policy("specctl:tree")) == "off,s1,s2k4n16"

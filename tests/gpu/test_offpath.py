@@ -29,19 +29,20 @@ def test_suffixes_set_the_plugin_servers_switches(pol, plain_off, skip, deg):
     """+verify: the decode state off; +skipde: no steps-0 draft extend; +deg / +nodeg: each state's
     draft-extend graph at its own width, explicitly on / off (no suffix: the plugin's default)."""
     _, env, _ = B.policy_launch_args(pol, "/d")
-    assert (env.get("SPECCTL_PLAIN_DECODE") == "off") is plain_off
+    patches = B.env_patches(env)
+    assert (patches.get("plain_decode") == "off") is plain_off
     assert (env.get("SGLANG_SPEC_SKIP_ZERO_STEP_DRAFT_EXTEND") == "1") is skip
-    assert env.get("SPECCTL_DRAFT_EXTEND_GRAPHS") == deg
+    assert patches.get("draft_graphs") == deg
 
 
 @pytest.mark.parametrize("pol,setting", [("plugin-fixed:1000:s3+splitkv", "on"), ("specctl+splitkv+deg", "on"),
                                          ("plugin-fixed:1000:s3+stockverify", "off"), ("specctl+deg+stockverify", "off"),
                                          ("plugin-fixed:1000:s3", None)])
 def test_splitkv_suffixes_set_the_kernel_switch(pol, setting):
-    """+splitkv / +stockverify: SPECCTL_SPLITKV_VERIFY=on / off (issue 20's accept-length and identity checks:
+    """+splitkv / +stockverify: SPECCTL_PATCHES splitkv=on / off (issue 20's accept-length and identity checks:
     the same plugin server with and without the kernel); without either the plugin's default (on) stands."""
     _, env, _ = B.policy_launch_args(pol, "/d")
-    assert env.get("SPECCTL_SPLITKV_VERIFY") == setting
+    assert B.env_patches(env).get("splitkv") == setting
 
 
 def test_splitkv_suffixes_cannot_both_be_given():
@@ -346,7 +347,7 @@ def test_logit_report_finds_where_the_top2_first_differs():
                                     ("plugin-fixed:1:s3", False)])
 def test_lp_suffix_lets_logprob_steps_into_the_decode_state(pol, on):
     _, env, _ = B.policy_launch_args(pol, "/d")
-    assert (env.get("SPECCTL_PLAIN_DECODE_LOGPROBS") == "on") is on
+    assert (B.env_patches(env).get("plain_logprobs") == "on") is on
     assert bool(B.parse_policy(pol).get("plain_decode_logprobs")) is on
 
 
@@ -444,22 +445,22 @@ def test_server_flag_suffixes_reach_the_servers_command_line(pol, flags):
 
 @pytest.mark.parametrize("pol, want, without, not_plugin", [
     # +fi: the decode state on flashinfer; +hostlens: its host lengths checked beside it
-    ("plugin-fixed:1:s3+fi", {"SPECCTL_PLAIN_DECODE_FLASHINFER": "on"}, "plugin-fixed:1:s3", "static:s3+fi"),
-    ("plugin-fixed:1:s3+fi+hostlens", {"SPECCTL_HOST_SEQ_LENS": "check", "SPECCTL_PLAIN_DECODE_FLASHINFER": "on"},
+    ("plugin-fixed:1:s3+fi", {"plain_flashinfer": "on"}, "plugin-fixed:1:s3", "static:s3+fi"),
+    ("plugin-fixed:1:s3+fi+hostlens", {"host_lens": "check", "plain_flashinfer": "on"},
      "plugin-fixed:1:s3+fi", "off+hostlens"),
 ])
 def test_a_flashinfer_suffix_sets_its_switch_and_needs_a_plugin(pol, want, without, not_plugin):
     _, env, _ = B.policy_launch_args(pol, "/d")
-    assert {k: env.get(k) for k in want} == want
+    assert {k: B.env_patches(env).get(k) for k in want} == want
     switch = next(iter(want))  # the suffix's own: absent from the policy without it
-    assert switch not in B.policy_launch_args(without, "/d")[1]
+    assert switch not in B.env_patches(B.policy_launch_args(without, "/d")[1])
     with pytest.raises(ValueError, match="plugin"):
         B.parse_policy(not_plugin)
 
 
 def test_the_controls_of_the_flashinfer_defaults_turn_them_off_and_refuse_their_opposites():
     _, env, _ = B.policy_launch_args("plugin-fixed:1:s3+nofi+nohostlens", "/d")
-    assert env.get("SPECCTL_PLAIN_DECODE_FLASHINFER") == "off" and env.get("SPECCTL_HOST_SEQ_LENS") == "off"
+    assert B.env_patches(env) == {"plain_flashinfer": "off", "host_lens": "off"}
     for pol in ("plugin-fixed:1:s3+fi+nofi", "plugin-fixed:1:s3+nohostlens+hostlens"):
         with pytest.raises(ValueError, match="both ways"):
             B.parse_policy(pol)

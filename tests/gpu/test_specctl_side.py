@@ -66,7 +66,7 @@ def test_read_decisions_skips_header_and_cut_lines(tmp_path):
 def test_plugin_env():
     e = SC.plugin_env(mode="fixed", rundir="/r", server_id="s", threshold=5, config="s3", decision_log="/o/d{rank}.txt")
     assert e == {"SGLANG_PLUGINS": "specctl", "SPECCTL_MODE": "fixed", "SPECCTL_RUNDIR": "/r", "SPECCTL_SERVER_ID": "s",
-                 "SPECCTL_DECISION_LOG": "/o/d{rank}.txt", "SPECCTL_FALLBACK_THRESHOLD": "5", "SPECCTL_FALLBACK_CONFIG": "s3"}
+                 "SPECCTL_DECISION_LOG": "/o/d{rank}.txt", "SPECCTL_FALLBACK": "5:s3"}
     assert SC.with_pythonpath({"PYTHONPATH": "/a:/b"}, "/s")["PYTHONPATH"] == "/s:/a:/b"
 
 

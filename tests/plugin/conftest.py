@@ -9,6 +9,7 @@ import os
 import sys
 import tempfile
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -59,8 +60,7 @@ def plugged():
     from a frame named run_scheduler_process (as sglang's scheduler.py does), and our two
     worker-side hooks also registered on the CPU stand-ins (the real targets need CUDA)."""
     rundir = tempfile.mkdtemp(prefix="specctl-plugin-")
-    env = {"SPECCTL_RUNDIR": rundir, "SPECCTL_SERVER_ID": "cpu-test", "SPECCTL_SYNC_EVERY": "4",
-           "SPECCTL_STALE_AFTER_S": "5"}
+    env = {"SPECCTL_RUNDIR": rundir, "SPECCTL_SERVER_ID": "cpu-test", "SPECCTL_STALE_AFTER_S": "5"}
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     try:
@@ -78,15 +78,16 @@ def plugged():
                 os.environ[k] = v
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-    from specctl.plugin import sglang_hooks
+    from specctl.plugin import runtime as plugin_runtime
+    from specctl.plugin.patches import trees
 
-    rt = sglang_hooks.runtime()
+    rt = plugin_runtime.current()
     assert rt is not None, "load_plugins() did not run specctl's register()"
     load_standin()
     HookRegistry.register(f"{STANDIN}.EAGLEWorkerV2Standin.forward_batch_generation",
-                          sglang_hooks._around_forward, HookType.AROUND)
+                          plugin_runtime.around_forward, HookType.AROUND)
     HookRegistry.register(f"{STANDIN}.ResultProcessorStandin._resolve_spec_v2_tokens",
-                          sglang_hooks._after_resolve, HookType.AFTER)
+                          plugin_runtime.after_resolve, HookType.AFTER)
     # the tree hooks, on the tree stand-ins (the real targets need CUDA-only modules); the start-up
     # check then looks for these
     tree = dict(build=f"{STANDIN}.TreeWorkerStandin.build_adaptive_runtime_state",
@@ -94,21 +95,21 @@ def plugged():
                 extend_decode=f"{STANDIN}.DraftWorkerStandin._draft_extend_for_decode",
                 extend_prefill=f"{STANDIN}.DraftWorkerStandin._draft_extend_for_prefill",
                 draft=f"{STANDIN}.DraftWorkerStandin.draft")
-    HookRegistry.register(tree["build"], sglang_hooks._around_build, HookType.AROUND)
-    HookRegistry.register(tree["apply"], sglang_hooks._before_apply, HookType.BEFORE)
-    HookRegistry.register(tree["extend_decode"], sglang_hooks._around_draft_extend, HookType.AROUND)
-    HookRegistry.register(tree["extend_prefill"], sglang_hooks._around_draft_extend, HookType.AROUND)
-    HookRegistry.register(tree["draft"], sglang_hooks._before_draft, HookType.BEFORE)
     tree["logits_rows"] = f"{STANDIN}.ModelRunnerStandin.max_decode_logits_rows"
-    HookRegistry.register(tree["logits_rows"], sglang_hooks._after_logits_rows, HookType.AFTER)
+    # the tree patches, guarded as install() registers them, on the stand-ins; the start-up check looks for these
+    standin_rt = SimpleNamespace(targets=dataclasses.replace(rt.targets, **tree), fail_engine=rt.fail_engine)
+    for p in (trees.patch(standin_rt), trees.width_patch(standin_rt)):
+        rt.guard.patches[p.name] = p
+        for target, kind, fn in p.hooks:
+            HookRegistry.register(target, p.wrapped(kind, fn), getattr(HookType, kind))
     HookRegistry.apply_hooks()
-    rt.targets = dataclasses.replace(rt.targets, **tree)
-    rt.rundir = rundir
+    rt.targets = standin_rt.targets
+    rt.settings = dataclasses.replace(rt.settings, sync_every=4)  # a TP sync every 4 results (16 in a server)
     yield rt
     rt.close()
     _unpatch_policy_class()
     HookRegistry.reset()
-    sglang_hooks._RUNTIME = None
+    plugin_runtime.publish(None)
     # the next module loads the plugin afresh, with unwrapped stand-ins
     import sglang.srt.plugins
 

@@ -12,7 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from specctl.plugin import draft_catchup as dc
+from specctl.plugin.patches import catchup as dc
 from specctl.plugin.engine import PluginSettings
 
 pytestmark = pytest.mark.sglang  # torch and SGLang's sources come with the sglang environments
@@ -219,8 +219,8 @@ def test_a_failing_catch_up_turns_it_off_and_the_step_extends_as_sglang_does(H, 
     # the catch-up (position 5's window of 2) failed; then SGLang's own extend of this step (position 6, width 1)
     assert not cu.on and "out of memory" in cu.off_reason and seen == [(5, 2), (6, 1)]
     assert res.next_draft_input.topk_index is not None  # this step's own draft outputs, from SGLang's extend
-    assert sum("draft catch-up OFF" in r.getMessage() for r in caplog.records) == 1
-    cu.turn_off("again")  # said once
+    assert sum("patch catchup off" in r.getMessage() for r in caplog.records) == 1
+    cu.patch.turn_off("again")  # said once
     assert cu.off_reason.startswith("a steps-0 step failed")
 
 
@@ -274,14 +274,14 @@ def test_mixed_chunks_tensor_parallelism_and_missing_methods_are_named():
 def test_the_setting_is_off_by_default_and_read_from_the_environment(value, k):
     env = {"SPECCTL_TELEMETRY": "none", "SPECCTL_POLICY": "none"}
     if value is not None:
-        env["SPECCTL_DRAFT_CATCHUP"] = value
+        env["SPECCTL_PATCHES"] = f"catchup={value}"
     assert PluginSettings.from_env(env).draft_catchup == k
 
 
 @pytest.mark.parametrize("value", ["maybe", "-3"])
 def test_a_bad_setting_is_refused_with_its_name(value):
-    with pytest.raises(ValueError, match="SPECCTL_DRAFT_CATCHUP"):
-        PluginSettings.from_env({"SPECCTL_DRAFT_CATCHUP": value})
+    with pytest.raises(ValueError, match="SPECCTL_PATCHES: catchup"):
+        PluginSettings.from_env({"SPECCTL_PATCHES": f"catchup={value}"})
 
 
 def test_build_says_why_not_and_builds_only_on_a_launch_that_can(H, caplog):
@@ -293,7 +293,7 @@ def test_build_says_why_not_and_builds_only_on_a_launch_that_can(H, caplog):
         assert dc.build(srv.worker, k=8, trees=False, plain_reason="a sliding-window model") is None
         cu = dc.build(srv.worker, k=8, trees=False, plain_reason=None)
     msgs = [r.getMessage() for r in caplog.records]
-    assert any("no draft catch-up" in m and "sliding-window" in m for m in msgs)
+    assert any("patch catchup off" in m and "sliding-window" in m for m in msgs)
     assert isinstance(cu, dc.DraftCatchup) and cu.k == 8 and cu.pending.shape == (srv.req_to_token.shape[0],)
     assert any("draft catch-up on" in m for m in msgs)
 
@@ -301,11 +301,12 @@ def test_build_says_why_not_and_builds_only_on_a_launch_that_can(H, caplog):
 def test_the_runtime_builds_no_catch_up_when_its_hooks_are_missing(H, caplog):
     from specctl.plugin import sglang_hooks
 
-    rt = sglang_hooks.PluginRuntime(PluginSettings(draft_catchup=8, telemetry_endpoint=None, policy_endpoint=None))
-    rt.missing_hooks = {sglang_hooks.SGLANG_TARGETS.draft}
+    rt = sglang_hooks.PluginRuntime(PluginSettings(draft_catchup=8, telemetry_endpoint=None, policy_endpoint=None),
+                                    patches=[dc.patch])
     with caplog.at_level(logging.ERROR, logger="specctl.plugin"):
-        rt.build_catchup(H.Server().worker)
-    assert rt.catchup is None and any("no draft catch-up" in r.getMessage() for r in caplog.records)
+        rt.build_catchup(H.Server().worker)  # checks the hooks first: none of them is registered in this process
+    assert rt.catchup is None and any("patch catchup off" in r.getMessage() and "did not take effect" in r.getMessage()
+                                      for r in caplog.records)
 
 
 def test_install_registers_the_three_hooks_only_when_asked():
@@ -318,13 +319,15 @@ import json, sys
 from sglang.srt.plugins.hook_registry import HookRegistry
 from specctl.plugin import sglang_hooks
 from specctl.plugin.engine import PluginSettings
-s = PluginSettings.from_env({"SPECCTL_DRAFT_CATCHUP": sys.argv[1], "SPECCTL_TELEMETRY": "none", "SPECCTL_POLICY": "none"})
+s = PluginSettings.from_env({"SPECCTL_PATCHES": "catchup=" + sys.argv[1], "SPECCTL_TELEMETRY": "none",
+                             "SPECCTL_POLICY": "none"})
 sglang_hooks.install(s)
-print(json.dumps({t: [getattr(h, "__name__", "") for _, h, _ in hs] for t, hs in HookRegistry._hooks.items()}))
+print(json.dumps({t: [f"{h.__module__}.{h.__name__}" for _, h, _ in hs] for t, hs in HookRegistry._hooks.items()}))
 """
     t = __import__("specctl.plugin.sglang_hooks", fromlist=["SGLANG_TARGETS"]).SGLANG_TARGETS
-    ours = {t.extend_decode: "_around_extend_catchup", t.draft: "_before_draft_catchup",
-            t.extend_prefill: "_after_prefill_catchup", t.init_graphs: "_after_init_graphs"}
+    ours = {t.extend_decode: f"{dc.__name__}.around_extend", t.draft: f"{dc.__name__}.before_draft",
+            t.extend_prefill: f"{dc.__name__}.after_prefill",
+            t.init_graphs: "specctl.plugin.patches.plain_decode.after_init_graphs"}
     for value, present in (("on", True), ("off", False)):
         env = dict(os.environ, PYTHONWARNINGS="ignore")
         p = subprocess.run([sys.executable, "-c", code, value], capture_output=True, text=True, timeout=120, env=env)
@@ -343,7 +346,7 @@ def test_the_hooks_dispatch_through_the_real_registry(H, standin_module, monkeyp
     KV is where extending every step leaves it."""
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-    from specctl.plugin import sglang_hooks
+    from specctl.plugin import runtime as plugin_runtime
 
     mod = standin_module("specctl_catchup_standin")
     extend = H.sglang().extend
@@ -359,18 +362,19 @@ def test_the_hooks_dispatch_through_the_real_registry(H, standin_module, monkeyp
             return SimpleNamespace(**vars(batch.spec_info))
 
     mod.StandinDraftWorker = StandinDraftWorker
-    names = {"_draft_extend_for_decode": (sglang_hooks._around_extend_catchup, HookType.AROUND),
-             "draft": (sglang_hooks._before_draft_catchup, HookType.BEFORE),
-             "_draft_extend_for_prefill": (sglang_hooks._after_prefill_catchup, HookType.AFTER)}
-    for meth, (fn, kind) in names.items():
-        HookRegistry.register(f"{mod.__name__}.StandinDraftWorker.{meth}", fn, kind)
+    patch = dc.Patch(dc.NAME)
+    names = {"_draft_extend_for_decode": (dc.around_extend, "AROUND"), "draft": (dc.before_draft, "BEFORE"),
+             "_draft_extend_for_prefill": (dc.after_prefill, "AFTER")}
+    for meth, (fn, kind) in names.items():  # guarded, as install() registers them
+        HookRegistry.register(f"{mod.__name__}.StandinDraftWorker.{meth}", patch.wrapped(kind, fn),
+                              getattr(HookType, kind))
     HookRegistry.apply_hooks()
     srv, ref = H.Server(), H.Server()
     dw = StandinDraftWorker()
     dw.__dict__.update({k: v for k, v in vars(srv.dw).items() if not k.startswith("_draft_extend")})
     srv.worker._draft_worker = dw
-    cu = dc.DraftCatchup(k=4, worker=srv.worker, torch_mod=torch)
-    monkeypatch.setattr(sglang_hooks, "_RUNTIME", SimpleNamespace(catchup=cu))
+    cu = dc.DraftCatchup(k=4, worker=srv.worker, torch_mod=torch, patch=patch)
+    monkeypatch.setattr(plugin_runtime, "_RUNTIME", SimpleNamespace(catchup=cu))
     for s in (srv, ref):
         prefill(s, [1, 2], [5, 7])
     dw._draft_extend_for_prefill(srv.batch([1, 2], [5, 7], H.ForwardMode.DRAFT_EXTEND_V2), None, None)

@@ -1,4 +1,4 @@
-"""SPECCTL_DRAFT_EXTEND_GRAPHS: each chain state's draft-extend CUDA graph at its own width. SGLang 0.5.17
+"""Patch draft_graphs: each chain state's draft-extend CUDA graph at its own width. SGLang 0.5.17
 sizes every adaptive state's draft-extend graph runner from the startup ServerArgs (the launch width), so at
 steps 0, s1 and s2 the runtime width differs from the captured one and the draft extends eagerly; the hook
 answers the width of the state being built (the spec bag), as 0.5.23 does itself."""
@@ -14,8 +14,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from specctl.plugin import sglang_hooks
+from specctl.plugin import sglang_source
 from specctl.plugin.engine import PluginSettings
+from specctl.plugin.guard import Patch
+from specctl.plugin.patches import draft_graphs
 
 
 class Bag:
@@ -47,16 +49,17 @@ SA = SimpleNamespace(speculative_num_draft_tokens=4)  # launched as s3
     (Bag(1, fail=True), "draft_extend", 4),    # the bag cannot be read: SGLang's width, said once
 ])
 def test_the_width_is_the_state_being_built(monkeypatch, bag, phase, want):
-    monkeypatch.setattr(sglang_hooks, "_runtime_context", lambda: bag)
-    assert sglang_hooks._around_draft_width(launch_width, phase=phase, server_args=SA) == want
+    monkeypatch.setattr(sglang_source, "runtime_context", lambda: bag)
+    hook = Patch(draft_graphs.NAME).wrapped("AROUND", draft_graphs.around_draft_width)  # as install() registers it
+    assert hook(launch_width, phase=phase, server_args=SA) == want
 
 
 def test_settings_read_the_switch():
     assert PluginSettings.from_env({}).draft_extend_graphs is True  # on by default since the H200 measured it
-    assert PluginSettings.from_env({"SPECCTL_DRAFT_EXTEND_GRAPHS": "off"}).draft_extend_graphs is False
-    assert PluginSettings.from_env({"SPECCTL_DRAFT_EXTEND_GRAPHS": "on"}).draft_extend_graphs is True
-    with pytest.raises(ValueError, match="SPECCTL_DRAFT_EXTEND_GRAPHS"):
-        PluginSettings.from_env({"SPECCTL_DRAFT_EXTEND_GRAPHS": "auto"})
+    assert PluginSettings.from_env({"SPECCTL_PATCHES": "draft_graphs=off"}).draft_extend_graphs is False
+    assert PluginSettings.from_env({"SPECCTL_PATCHES": "draft_graphs=on"}).draft_extend_graphs is True
+    with pytest.raises(ValueError, match="SPECCTL_PATCHES: draft_graphs must be on or off"):
+        PluginSettings.from_env({"SPECCTL_PATCHES": "draft_graphs=auto"})
 
 
 @pytest.mark.sglang
@@ -68,12 +71,12 @@ def test_the_hook_is_registered_where_sglang_reads_the_launch_width():
     code = textwrap.dedent(r"""
         import json
         from sglang.srt.plugins.hook_registry import HookRegistry
-        from specctl.plugin import sglang_hooks
+        from specctl.plugin import sglang_hooks, sglang_source
         from specctl.plugin.engine import PluginSettings
-        s = PluginSettings.from_env({"SPECCTL_DRAFT_EXTEND_GRAPHS": "on", "SPECCTL_TELEMETRY": "none",
+        s = PluginSettings.from_env({"SPECCTL_PATCHES": "draft_graphs=on", "SPECCTL_TELEMETRY": "none",
                                      "SPECCTL_POLICY": "none"})
         sglang_hooks.install(s)
-        print(json.dumps({"needed": sglang_hooks._draft_width_needed(),
+        print(json.dumps({"needed": sglang_source.draft_width_needed(),
                           "registered": sglang_hooks.SGLANG_TARGETS.draft_width in HookRegistry._hooks}))
     """)
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import json
 
 import pytest
@@ -207,6 +209,20 @@ def test_step_record_is_exactly_the_wire_encoding():
         assert frame == wire.encode(rec)
         assert rec.config.steps == c["draft_tokens"] - 1 if c["draft_tokens"] > 1 else rec.config.steps == 0
         assert rec.rank == 2 and rec.server == 'srv "7"'
+        # one encoder: the engine's frame is wire.encode_step_fields' for the same fields
+        c0 = rec.config
+        assert frame == wire.encode_step_fields(server='srv "7"', rank=2, iter=c["iter"], ts=c["ts"],
+                                                batch_size=c["batch_size"], steps=c0.steps, topk=c0.topk,
+                                                draft_tokens=c0.draft_tokens, accepted=rec.accepted,
+                                                step_ms=c["step_ms"], ctx_tokens=c.get("ctx_tokens"),
+                                                off_path=rec.off_path)
+
+
+@pytest.mark.parametrize("accepted", [[0], [7, 30, 12], [64, 10], [10] * 5, [3, 0, 2]])
+def test_the_step_encoder_matches_the_model_encoder_for_any_count(accepted):
+    frame = wire.encode_step_fields(server="s", rank=0, iter=1, ts=2.0, batch_size=max(1, len(accepted)), steps=64,
+                                    topk=1, draft_tokens=65, accepted=accepted, step_ms=5.0)
+    assert frame == wire.encode(wire.decode_step(frame))
 
 
 def test_file_mode_starts_on_the_file_policy():
@@ -226,16 +242,15 @@ def test_fallback_adapts_to_the_built_states():
 
 
 def test_settings_from_env():
-    s = PluginSettings.from_env({"SPECCTL_RUNDIR": "/run/x", "SPECCTL_FALLBACK_CONFIG": "s1",
-                                 "SPECCTL_FALLBACK_THRESHOLD": "9", "SPECCTL_TELEMETRY": "none",
+    s = PluginSettings.from_env({"SPECCTL_RUNDIR": "/run/x", "SPECCTL_FALLBACK": "9:s1", "SPECCTL_TELEMETRY": "none",
                                  "SPECCTL_STALE_AFTER_S": "3.5", "SPECCTL_SERVER_ID": "a"})
     assert s.policy_endpoint == "ipc:///run/x/policy.sock" and s.telemetry_endpoint is None
     assert (s.fallback_config, s.fallback_threshold, s.stale_after_s, s.server_id) == ((1, 1, 2), 9, 3.5, "a")
     assert PluginSettings.from_env({"SPECCTL_POLICY_FILE": "/p"}).mode == "file"
     with pytest.raises(ValueError, match="SPECCTL_MODE"):
         PluginSettings.from_env({"SPECCTL_MODE": "magic"})
-    with pytest.raises(ValueError, match="SPECCTL_"):
-        PluginSettings.from_env({"SPECCTL_SYNC_EVERY": "x"})
+    with pytest.raises(ValueError, match="SPECCTL_STALE_AFTER_S"):
+        PluginSettings.from_env({"SPECCTL_STALE_AFTER_S": "x"})
 
 
 def test_apply_of_an_explicit_fallback_update():
@@ -274,8 +289,8 @@ def test_without_a_tp_group_every_rank_runs_the_fixed_fallback():
 def test_decision_log_records_every_decision_per_rank(tmp_path):
     """SPECCTL_DECISION_LOG: one line per decision (step, batch size, steps, version or F), per rank;
     what the 2-GPU run compares between ranks."""
-    s = PluginSettings.from_env({"SPECCTL_DECISION_LOG": str(tmp_path / "d{rank}.txt"),
-                                 "SPECCTL_POLICY": "ipc:///x", "SPECCTL_SYNC_EVERY": "4"})
+    s = dataclasses.replace(PluginSettings.from_env({"SPECCTL_DECISION_LOG": str(tmp_path / "d{rank}.txt"),
+                                                     "SPECCTL_POLICY": "ipc:///x"}), sync_every=4)
     r0 = EngineController(s, candidate_steps=(0, 1, 3), clock=Clock(), rank=0)
     r1 = EngineController(s, candidate_steps=(0, 1, 3), clock=Clock(), rank=1)
     for i, bs in enumerate([1, 2, 8, 8, 1, 9, 2, 3]):
@@ -398,8 +413,8 @@ def test_a_banded_policy_decides_by_the_batch_context(batch, ctx_tokens, steps):
 
 
 def test_the_decision_log_carries_the_context_where_it_was_known(tmp_path):
-    s = PluginSettings.from_env({"SPECCTL_DECISION_LOG": str(tmp_path / "d{rank}.txt"), "SPECCTL_POLICY": "ipc:///x",
-                                 "SPECCTL_SYNC_EVERY": "1"})
+    s = dataclasses.replace(PluginSettings.from_env({"SPECCTL_DECISION_LOG": str(tmp_path / "d{rank}.txt"),
+                                                     "SPECCTL_POLICY": "ipc:///x"}), sync_every=1)
     eng = EngineController(s, candidate_steps=(0, 1, 3), clock=Clock())
     eng.offer_policy_frame(_banded_frame(7))
     eng.note_result() and eng.sync()

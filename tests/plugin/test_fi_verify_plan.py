@@ -1,4 +1,4 @@
-"""SPECCTL_FI_VERIFY_HOST_PLAN (docs/flashinfer-spec-copies.md, fix P2): the TARGET_VERIFY flashinfer plan of SGLang
+"""Patch fi_plan (docs/flashinfer-spec-copies.md, fix P2): the TARGET_VERIFY flashinfer plan of SGLang
 0.5.17 built from host values. The settings; on 0.5.23 SGLang's own opt-in; on 0.5.17 the two hooks around SGLang's
 own backend code (tests/plugin/fi_harness.py), against plan()'s result on the same batch."""
 
@@ -16,15 +16,15 @@ from specctl.plugin.engine import PluginSettings
     ("check", "check", 32), ("check:200", "check", 200),
 ])
 def test_settings_read_the_switch(value, mode, steps):
-    env = {} if value is None else {"SPECCTL_FI_VERIFY_HOST_PLAN": value}
+    env = {} if value is None else {"SPECCTL_PATCHES": f"fi_plan={value}"}
     s = PluginSettings.from_env(env)
     assert (s.fi_verify_host_plan, s.fi_verify_check_steps) == (mode, steps)
 
 
 @pytest.mark.parametrize("value", ["auto", "check:", "check:x", "check:0", "on:3"])
 def test_settings_refuse_nonsense(value):
-    with pytest.raises(ValueError, match="SPECCTL_FI_VERIFY_HOST_PLAN"):
-        PluginSettings.from_env({"SPECCTL_FI_VERIFY_HOST_PLAN": value})
+    with pytest.raises(ValueError, match="SPECCTL_PATCHES: fi_plan"):
+        PluginSettings.from_env({"SPECCTL_PATCHES": f"fi_plan={value}"})
 
 
 # ----------------------------------------------------------------------------- SGLang 0.5.17: the hooks
@@ -41,9 +41,9 @@ HERE = Path(__file__).parent
 
 
 def _has_own_opt_in() -> bool:
-    from specctl.plugin import sglang_hooks
+    from specctl.plugin import sglang_source
 
-    return sglang_hooks._sglang_verify_host_plan() is not None
+    return sglang_source.verify_host_plan_switch() is not None
 
 
 @pytest.fixture
@@ -67,12 +67,11 @@ def hooked(h, hp):
     B, U = h.Backend, h.Updater
     B.init_forward_metadata_out_graph = _wrap_fn(B.init_forward_metadata_out_graph, out_graph, HookType.AROUND)
     U.call_begin_forward = _wrap_fn(U.call_begin_forward, call_begin_forward, HookType.AROUND)
-    hp.wired = True
     return h
 
 
 def host_plan(fi, mode="on", **kw):
-    from specctl.plugin.fi_verify_plan import HostPlan
+    from specctl.plugin.patches.fi_plan import HostPlan
 
     return HostPlan(mode, pack=fi.segment_packbits_kernel, **kw)
 
@@ -105,7 +104,7 @@ def test_the_host_layout_is_what_sglang_builds_on_the_device(fi):
     offsets of plan()'s segment_packbits, for a padded batch."""
     import torch
 
-    from specctl.plugin.fi_verify_plan import host_layout
+    from specctl.plugin.patches.fi_plan import host_layout
 
     h = fi.Harness(width=3)
     seq_lens = torch.tensor([9, 30, 1, 1], dtype=torch.int64)  # two padded rows (fill value 1)
@@ -154,7 +153,7 @@ def test_a_fault_falls_back_to_plan_for_that_step_and_turns_the_hook_off(fi, cap
     def broken(*a):
         raise RuntimeError("injected")
 
-    from specctl.plugin.fi_verify_plan import HostPlan
+    from specctl.plugin.patches.fi_plan import HostPlan
 
     stock, mine = fi.Harness(), hooked(fi.Harness(), hp := HostPlan("on", pack=broken))
     stock.capture()
@@ -241,11 +240,12 @@ INSTALL = r"""
     from sglang.srt.plugins.hook_registry import HookRegistry
     from specctl.plugin import sglang_hooks
     from specctl.plugin.engine import PluginSettings
-    s = PluginSettings.from_env({"SPECCTL_FI_VERIFY_HOST_PLAN": sys.argv[1] if len(sys.argv) > 1 else "on",
+    from specctl.plugin import sglang_source
+    s = PluginSettings.from_env({"SPECCTL_PATCHES": "fi_plan=" + (sys.argv[1] if len(sys.argv) > 1 else "on"),
                                  "SPECCTL_TELEMETRY": "none", "SPECCTL_POLICY": "none"})
     rt = sglang_hooks.install(s)
     t = sglang_hooks.SGLANG_TARGETS
-    own = sglang_hooks._sglang_verify_host_plan()
+    own = sglang_source.verify_host_plan_switch()
     print(json.dumps({"hooks": [x in HookRegistry._hooks for x in t.fi_plan_targets()],
                       "hooked": rt.fi_plan is not None, "own": None if own is None else own.get(),
                       "env": os.environ.get("SGLANG_OPT_FLASHINFER_VERIFY_HOST_PLAN")}))
@@ -285,7 +285,7 @@ WIRED = r"""
     t = sglang_hooks.Targets(
         fi_out_graph="specctl_fi_targets.FlashInferAttnBackend.init_forward_metadata_out_graph",
         fi_begin_forward=sys.argv[1])
-    s = PluginSettings.from_env({"SPECCTL_FI_VERIFY_HOST_PLAN": "on", "SPECCTL_TELEMETRY": "none",
+    s = PluginSettings.from_env({"SPECCTL_PATCHES": "fi_plan=on", "SPECCTL_TELEMETRY": "none",
                                  "SPECCTL_POLICY": "none"})
     rt = sglang_hooks.install(s, targets=t)
     rt.fi_plan._pack = fi_harness.segment_packbits_kernel  # flashinfer's CUDA kernel, on the CPU

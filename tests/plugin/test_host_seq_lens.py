@@ -26,7 +26,7 @@ HERE = Path(__file__).parent
     ("off", "off", 32), ("on", "on", 32), ("check", "check", 32), ("check:5", "check", 5),
 ])
 def test_settings_read_the_switch(value, mode, steps):
-    env = {} if value is None else {"SPECCTL_HOST_SEQ_LENS": value}
+    env = {} if value is None else {"SPECCTL_PATCHES": f"host_lens={value}"}
     s = PluginSettings.from_env(env)
     assert (s.host_seq_lens, s.host_seq_lens_check_steps) == (mode, steps)
     assert s.host_seq_lens_set is (value is not None)  # where it cannot apply: a warning only if it was asked for
@@ -34,8 +34,8 @@ def test_settings_read_the_switch(value, mode, steps):
 
 @pytest.mark.parametrize("value", ["auto", "check:", "check:0", "on:3"])
 def test_settings_refuse_nonsense(value):
-    with pytest.raises(ValueError, match="SPECCTL_HOST_SEQ_LENS"):
-        PluginSettings.from_env({"SPECCTL_HOST_SEQ_LENS": value})
+    with pytest.raises(ValueError, match="SPECCTL_PATCHES: host_lens"):
+        PluginSettings.from_env({"SPECCTL_PATCHES": f"host_lens={value}"})
 
 
 # ----------------------------------------------------------------------------- SGLang's FutureMap
@@ -50,7 +50,7 @@ def _version() -> str:
 def fm_class():
     """SGLang 0.5.17's FutureMap (0.5.23's resolve takes another argument: the setting does nothing there)."""
     if _version() != "0.5.17":
-        pytest.skip("SPECCTL_HOST_SEQ_LENS is written against SGLang 0.5.17's FutureMap")
+        pytest.skip("the host_lens patch is written against SGLang 0.5.17's FutureMap")
     from sglang.srt.managers.overlap_utils import FutureMap
 
     return FutureMap
@@ -60,7 +60,7 @@ def _hooked(fm_class, hl, debug=lambda: False):
     """A subclass whose publish / resolve carry our AROUND hooks, wrapped by SGLang's own hook wrapper."""
     from sglang.srt.plugins.hook_registry import HookType, _wrap_fn
 
-    from specctl.plugin.host_seq_lens import around_publish, around_resolve
+    from specctl.plugin.patches.host_lens import around_publish, around_resolve
 
     def pub(o, fm, idx, *a, **k):
         return around_publish(hl, o, fm, idx, *a, **k)
@@ -140,7 +140,7 @@ def _script(loop):
 
 @pytest.mark.sglang
 def test_the_host_lengths_are_the_devices_and_spare_the_pull_after_decode_state_steps(fm_class):
-    from specctl.plugin.host_seq_lens import HostSeqLens
+    from specctl.plugin.patches.host_lens import HostSeqLens
 
     stock = Loop(_fmap(fm_class))
     _script(stock)
@@ -157,7 +157,7 @@ def test_the_host_lengths_are_the_devices_and_spare_the_pull_after_decode_state_
 def test_a_row_the_copy_does_not_hold_and_a_hand_over_no_publish_took_go_to_the_device(fm_class):
     import torch
 
-    from specctl.plugin.host_seq_lens import HostSeqLens
+    from specctl.plugin.patches.host_lens import HostSeqLens
 
     hl = HostSeqLens("on")
     loop = Loop(_fmap(_hooked(fm_class, hl)), hl)
@@ -177,7 +177,7 @@ def test_a_row_the_copy_does_not_hold_and_a_hand_over_no_publish_took_go_to_the_
 def test_publishes_update_the_copy_row_by_row_as_they_were_handed_over(fm_class):
     import torch
 
-    from specctl.plugin.host_seq_lens import HostSeqLens
+    from specctl.plugin.patches.host_lens import HostSeqLens
 
     hl = HostSeqLens("on")
     fm = _fmap(_hooked(fm_class, hl))
@@ -206,7 +206,7 @@ def test_publishes_update_the_copy_row_by_row_as_they_were_handed_over(fm_class)
 
 @pytest.mark.sglang
 def test_check_mode_compares_then_trusts_and_a_difference_turns_it_off(fm_class, caplog):
-    from specctl.plugin.host_seq_lens import HostSeqLens
+    from specctl.plugin.patches.host_lens import HostSeqLens
 
     hl = HostSeqLens("check", check_steps=2)
     loop = Loop(_fmap(_hooked(fm_class, hl)), hl)
@@ -228,13 +228,13 @@ def test_check_mode_compares_then_trusts_and_a_difference_turns_it_off(fm_class,
     assert not bad.on and "differ" in bad.off_reason and bad.num_host == 0
     assert wrong.seen == stock.seen[:2]         # the step that caught it ran on the device's lengths
     wrong.step([1, 2, 3])
-    assert bad.num_host == 0 and any("host sequence lengths off" in r.getMessage() for r in caplog.records)
+    assert bad.num_host == 0 and any("patch host_lens off" in r.getMessage() for r in caplog.records)
 
 
 @pytest.mark.sglang
 def test_after_the_check_one_step_in_audit_every_still_compares(fm_class, monkeypatch):
-    from specctl.plugin import host_seq_lens
-    from specctl.plugin.host_seq_lens import HostSeqLens
+    from specctl.plugin.patches import host_lens as host_seq_lens
+    from specctl.plugin.patches.host_lens import HostSeqLens
 
     monkeypatch.setattr(host_seq_lens, "AUDIT_EVERY", 3)
     hl = HostSeqLens("on")
@@ -255,7 +255,7 @@ def test_after_the_check_one_step_in_audit_every_still_compares(fm_class, monkey
 @pytest.mark.sglang
 @pytest.mark.parametrize("case", ["triton", "debug-assert", "off"])
 def test_where_sglang_needs_no_host_lengths_or_its_debug_mode_is_on_nothing_changes(fm_class, case):
-    from specctl.plugin.host_seq_lens import HostSeqLens
+    from specctl.plugin.patches.host_lens import HostSeqLens
 
     hl = HostSeqLens("off" if case == "off" else "on")
     cls = _hooked(fm_class, hl, debug=(lambda: True) if case == "debug-assert" else (lambda: False))
@@ -271,7 +271,7 @@ def test_where_sglang_needs_no_host_lengths_or_its_debug_mode_is_on_nothing_chan
 
 @pytest.mark.sglang
 def test_a_fault_in_the_hook_runs_sglangs_resolve_and_turns_it_off(fm_class, caplog):
-    from specctl.plugin.host_seq_lens import HostSeqLens
+    from specctl.plugin.patches.host_lens import HostSeqLens
 
     hl = HostSeqLens("on")
     loop = Loop(_fmap(_hooked(fm_class, hl)), hl)
@@ -287,7 +287,7 @@ def test_a_fault_in_the_hook_runs_sglangs_resolve_and_turns_it_off(fm_class, cap
 def test_supported_only_where_resolve_takes_the_batch_alone():
     from sglang.srt.managers.overlap_utils import FutureMap
 
-    from specctl.plugin.host_seq_lens import supported
+    from specctl.plugin.patches.host_lens import supported
 
     why = supported(FutureMap.resolve_seq_lens_cpu)
     if _version() == "0.5.17":
@@ -303,12 +303,13 @@ def test_supported_only_where_resolve_takes_the_batch_alone():
 def test_the_verify_hook_hands_over_only_after_a_decode_forward_ran(monkeypatch):
     import torch
 
-    from specctl.plugin import plain_decode, sglang_hooks
-    from specctl.plugin.host_seq_lens import HostSeqLens
+    from specctl.plugin import runtime as plugin_runtime
+    from specctl.plugin.patches import plain_decode
+    from specctl.plugin.patches.host_lens import HostSeqLens
 
     plain = SimpleNamespace(on=True, ran=True, planned=("stale", "stale"))
     rt = SimpleNamespace(plain=plain, host_lens=HostSeqLens("on"))
-    monkeypatch.setattr(sglang_hooks, "_RUNTIME", rt)
+    monkeypatch.setattr(plugin_runtime, "_RUNTIME", rt)
     worker = SimpleNamespace(speculative_num_steps=0)
     rows, lens = torch.tensor([4, 9]), torch.tensor([100, 7])
 
@@ -321,33 +322,40 @@ def test_the_verify_hook_hands_over_only_after_a_decode_forward_ran(monkeypatch)
 
     monkeypatch.setattr(plain_decode, "around_verify", ran)
     rt.host_lens.begin_forward(rows)
-    assert sglang_hooks._around_verify(None, worker, "batch") == "out"
+    assert plain_decode.around_verify_hook(None, worker, "batch") == "out"
     assert rt.host_lens.values.tolist() == [101, 8]
     rt.host_lens.begin_forward(rows)
     monkeypatch.setattr(plain_decode, "around_verify", trivial)
-    sglang_hooks._around_verify(None, worker, "batch")
+    plain_decode.around_verify_hook(None, worker, "batch")
     assert rt.host_lens.values is None  # the last step's planned lengths are not this one's
 
 
 @pytest.mark.sglang
 def test_the_forward_hook_hands_over_a_prefills_lengths_and_a_decode_steps_rows(monkeypatch):
     import torch
-    from specctl.plugin import sglang_hooks
-    from specctl.plugin.host_seq_lens import HostSeqLens
+    from specctl.plugin import runtime as plugin_runtime
+    from specctl.plugin.patches import host_lens
+    from specctl.plugin.patches.host_lens import HostSeqLens
 
     rt = SimpleNamespace(host_lens=HostSeqLens("on"), timer=None, _wants_ctx=lambda: False)
-    monkeypatch.setattr(sglang_hooks, "_RUNTIME", rt)
+    monkeypatch.setattr(plugin_runtime, "_RUNTIME", rt)
+    before = rt.host_lens.patch.wrapped("BEFORE", host_lens.before_forward)  # guarded, as install() registers it
+
+    def forward(orig, worker, b):  # SGLang's wrapper: the BEFORE hook, then the forward
+        before(worker, b)
+        return orig(worker, b)
+
     batch = lambda mode: SimpleNamespace(forward_mode=mode, req_pool_indices_cpu=torch.tensor([3, 1]),  # noqa: E731
                                          seq_lens_cpu=torch.tensor([70, 12]))
     seen = []
     tl = lambda a: None if a is None else a.tolist()  # noqa: E731
     orig = lambda worker, b, **k: seen.append((tl(rt.host_lens.expect), tl(rt.host_lens.values))) or "out"  # noqa: E731
     mode = lambda name: SimpleNamespace(name=name)  # noqa: E731 - ForwardMode's members by name (the hook reads that)
-    assert sglang_hooks._around_forward(orig, None, batch(mode("EXTEND"))) == "out"
-    sglang_hooks._around_forward(orig, None, batch(mode("DECODE")))
-    sglang_hooks._around_forward(orig, None, batch(mode("MIXED")))  # decode rows inside: no lengths
+    assert forward(orig, None, batch(mode("EXTEND"))) == "out"
+    forward(orig, None, batch(mode("DECODE")))
+    forward(orig, None, batch(mode("MIXED")))  # decode rows inside: no lengths
     assert seen == [([3, 1], [70, 12]), ([3, 1], None), ([3, 1], None)]
-    sglang_hooks._around_forward(orig, None, SimpleNamespace(forward_mode=mode("DECODE")))  # no rows: unreadable
+    forward(orig, None, SimpleNamespace(forward_mode=mode("DECODE")))  # no rows: unreadable
     assert not rt.host_lens.on and "AttributeError" in rt.host_lens.off_reason
 
 
@@ -369,9 +377,9 @@ INSTALL = r"""
     from specctl.plugin import sglang_hooks
     from specctl.plugin.engine import PluginSettings
     env = {"SPECCTL_TELEMETRY": "none", "SPECCTL_POLICY": "none"}
-    if MODE is not None:
-        env["SPECCTL_HOST_SEQ_LENS"] = MODE
-    env.update(EXTRA)
+    patches = ([f"host_lens={MODE}"] if MODE is not None else []) + EXTRA
+    if patches:
+        env["SPECCTL_PATCHES"] = ",".join(patches)
     rt = sglang_hooks.install(PluginSettings.from_env(env))
     HookRegistry.apply_hooks()
     t = sglang_hooks.SGLANG_TARGETS
@@ -396,8 +404,8 @@ INSTALL = r"""
 
 
 @pytest.mark.sglang
-@pytest.mark.parametrize("mode, extra", [("on", {}), (None, {}), ("off", {}), ("on", {"SPECCTL_PLAIN_DECODE": "off"}),
-                                         (None, {"SPECCTL_PLAIN_DECODE": "off"})])
+@pytest.mark.parametrize("mode, extra", [("on", []), (None, []), ("off", []), ("on", ["plain_decode=off"]),
+                                         (None, ["plain_decode=off"])])
 def test_install_hooks_sglangs_futuremap_where_it_applies(mode, extra):
     got = _run(INSTALL.replace("MODE", repr(mode)).replace("EXTRA", repr(extra)))
     if mode == "off" or extra or _version() != "0.5.17":

@@ -32,7 +32,7 @@ def test_cli_prints_a_copy_paste_snippet_and_json():
     r = CliRunner().invoke(sglang_args, ["--configs", "s2", "--fallback-config", "s1", "--json"])
     obj = json.loads(r.output)
     assert obj["adaptive_config"]["1"]["candidate_steps"] == [0, 1, 2]
-    assert obj["env"]["SPECCTL_FALLBACK_CONFIG"] == "1,1,2"
+    assert obj["env"]["SPECCTL_FALLBACK"].endswith(":1,1,2")
 
 
 def test_cli_refuses_bad_initial_steps():
@@ -53,7 +53,7 @@ def test_a_tree_is_one_more_state_beside_a_chain_launch():
     assert f[f.index("--speculative-eagle-topk") + 1] == "1"
     assert f[f.index("--speculative-num-steps") + 1] == "1"
     assert f[f.index("--page-size") + 1] == "1"
-    assert args.env["SPECCTL_FALLBACK_CONFIG"] == "2,4,16"
+    assert args.env["SPECCTL_FALLBACK"].endswith(":2,4,16")
     # with chains given, the launch is the longest chain and the default fallback s3 is kept
     args = launch_args.build([(0, 1, 1), (1, 1, 2), (2, 4, 16), (3, 1, 4)])
     assert args.adaptive_config["1"] == {"candidate_steps": [0, 1, 2, 3]}
@@ -94,9 +94,9 @@ def test_cli_prints_a_tree_launch():
 
 def test_cli_says_what_the_decode_state_costs_and_how_to_turn_it_off():
     r = CliRunner().invoke(sglang_args, ["--configs", "off,s1,s3"])
-    assert r.exit_code == 0 and "decode state" in r.output and "SPECCTL_PLAIN_DECODE=off" in r.output
-    assert "SPECCTL_PLAIN_DECODE=off python" not in r.output  # on by default: nothing in the environment
+    assert r.exit_code == 0 and "decode state" in r.output and "SPECCTL_PATCHES=plain_decode=off" in r.output
+    assert "SPECCTL_PATCHES=plain_decode=off python" not in r.output  # on by default: nothing in the environment
     r = CliRunner().invoke(sglang_args, ["--configs", "off,s1,s3", "--no-plain-decode"])
-    assert r.exit_code == 0 and "SPECCTL_PLAIN_DECODE=off " in r.output.splitlines()[-1]
+    assert r.exit_code == 0 and "SPECCTL_PATCHES=plain_decode=off " in r.output.splitlines()[-1]
     r = CliRunner().invoke(sglang_args, ["--configs", "off,s1,s3", "--no-plain-decode", "--json"])
-    assert json.loads(r.output)["env"]["SPECCTL_PLAIN_DECODE"] == "off"
+    assert json.loads(r.output)["env"]["SPECCTL_PATCHES"] == "plain_decode=off"

@@ -15,7 +15,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from specctl.plugin import plain_decode as pd
+from specctl.plugin.patches import plain_decode as pd
 
 
 class Mode:
@@ -248,7 +248,7 @@ def test_a_logprob_step_that_fails_after_the_decode_forward_runs_again_as_the_tr
     assert w._target_worker.calls[-1]["backend"] == "steps0-backend"
     assert res.logits_output == "logits-TARGET_VERIFY" and not hasattr(res, "_specctl_off_path")
     assert not w.plain.on and "log-probabilities" in w.plain.off_reason and w.plain.pending is None
-    assert sum("decode state OFF" in r.message for r in caplog.records) == 1
+    assert sum("patch plain_decode off" in r.message for r in caplog.records) == 1
     w2 = FailingAfterForward()
     FailingAfterForward.fail_left = 1
     w2.plain = make_plain()
@@ -274,14 +274,14 @@ def test_a_failing_step_runs_as_the_trivial_verify_and_the_decode_state_stays_of
     assert res.logits_output == "logits-TARGET_VERIFY" and not hasattr(res, "_specctl_off_path")
     assert batch.seq_lens is committed and batch.forward_mode is TARGET_VERIFY
     assert not w.plain.on and "failed" in w.plain.off_reason
-    assert sum("decode state OFF" in r.message for r in caplog.records) == 1
+    assert sum("patch plain_decode off" in r.message for r in caplog.records) == 1
     # the next steps: SGLang's own path, with its verify graphs
     RecordingForwardBatch.fail = False
     w._target_worker.explode_on = None
     for _ in range(3):
         verify_step(w, make_batch())
     assert w.plans[-3:] == ["steps0-verify-graphs"] * 3
-    assert sum("decode state OFF" in r.message for r in caplog.records) == 1
+    assert sum("patch plain_decode off" in r.message for r in caplog.records) == 1
 
 
 def test_a_verify_whose_target_forward_skips_the_hook_turns_the_decode_state_off():
@@ -342,7 +342,7 @@ def test_unsupported_launches_are_named_before_anything_is_captured(over, why):
 
 def test_build_needs_every_rank_and_logs_why_not(monkeypatch, caplog):
     built = []
-    monkeypatch.setattr(pd, "_capture", lambda worker, backends: built.append(worker) or make_plain())
+    monkeypatch.setattr(pd, "_capture", lambda worker, backends, **kw: built.append(worker) or make_plain())
     w = fake_worker()
     assert pd.build(w, agree=lambda ok: ok) is not None
     with caplog.at_level(logging.WARNING, logger="specctl.plugin"):
@@ -352,7 +352,7 @@ def test_build_needs_every_rank_and_logs_why_not(monkeypatch, caplog):
     assert pd.build(fake_worker(topk=4), agree=lambda ok: votes.append(ok) or ok) is None
     assert votes == [False] and len(built) == 2  # unsupported: still votes, never captures
 
-    def boom(worker, backends):
+    def boom(worker, backends, **kw):
         raise MemoryError("capture out of memory")
 
     monkeypatch.setattr(pd, "_capture", boom)
@@ -370,7 +370,7 @@ def test_the_build_line_says_whether_graphs_were_captured(monkeypatch, caplog):
                          (None, "no CUDA graphs in this launch: eager DECODE forwards")):
         plain = make_plain()
         plain.runner, plain.max_bs = runner, int(getattr(runner, "max_bs", 0)) if runner else 0
-        monkeypatch.setattr(pd, "_capture", lambda worker, backends, p=plain: p)
+        monkeypatch.setattr(pd, "_capture", lambda worker, backends, p=plain, **kw: p)
         caplog.clear()
         with caplog.at_level(logging.INFO, logger="specctl.plugin"):
             assert pd.build(fake_worker(), agree=lambda ok: ok) is plain
@@ -382,10 +382,10 @@ def test_flashinfer_is_a_decode_state_backend_unless_turned_off():
 
     assert pd.backends(False) == ("TritonAttnBackend",)
     assert pd.backends(True) == ("TritonAttnBackend", "FlashInferAttnBackend")
-    assert PluginSettings.from_env({}).plain_decode_flashinfer is True  # since its GPU checks (2026-12-06)
-    assert PluginSettings.from_env({"SPECCTL_PLAIN_DECODE_FLASHINFER": "off"}).plain_decode_flashinfer is False
-    with pytest.raises(ValueError, match="SPECCTL_PLAIN_DECODE_FLASHINFER"):
-        PluginSettings.from_env({"SPECCTL_PLAIN_DECODE_FLASHINFER": "sometimes"})
+    assert PluginSettings.from_env({}).plain_decode_flashinfer is True  # since its GPU checks
+    assert PluginSettings.from_env({"SPECCTL_PATCHES": "plain_flashinfer=off"}).plain_decode_flashinfer is False
+    with pytest.raises(ValueError, match="plain_flashinfer must be on or off"):
+        PluginSettings.from_env({"SPECCTL_PATCHES": "plain_flashinfer=sometimes"})
 
 
 def test_the_runtime_builds_on_the_backends_its_settings_name(monkeypatch):
@@ -393,12 +393,12 @@ def test_the_runtime_builds_on_the_backends_its_settings_name(monkeypatch):
     from specctl.plugin.engine import PluginSettings
 
     seen = []
-    monkeypatch.setattr(pd, "build", lambda worker, agree, backends: seen.append(backends))
-    for env, want in (({"SPECCTL_PLAIN_DECODE_FLASHINFER": "off"}, ("TritonAttnBackend",)),
+    monkeypatch.setattr(pd, "build", lambda worker, agree, backends, patch, logprobs: seen.append(backends))
+    for env, want in (({"SPECCTL_PATCHES": "plain_flashinfer=off"}, ("TritonAttnBackend",)),
                       ({}, ("TritonAttnBackend", "FlashInferAttnBackend"))):
-        rt = sglang_hooks.PluginRuntime.__new__(sglang_hooks.PluginRuntime)
-        rt.settings = PluginSettings.from_env({"SPECCTL_TELEMETRY": "none", "SPECCTL_POLICY": "none", **env})
-        rt.targets, rt.missing_hooks, rt.tp_group = sglang_hooks.SGLANG_TARGETS, set(), _OneRank()
+        settings = PluginSettings.from_env({"SPECCTL_TELEMETRY": "none", "SPECCTL_POLICY": "none", **env})
+        rt = sglang_hooks.PluginRuntime(settings, tp_group_fn=_OneRank, patches=[pd.patch])
+        rt.hooks_checked = True  # as if every hook took effect
         rt.build_plain(object())
         assert seen[-1] == want
 
@@ -485,7 +485,7 @@ def test_sglang_source_has_the_shape_the_decode_state_relies_on():
 
 @pytest.mark.sglang
 def test_the_hooks_are_registered_and_verified_through_the_real_registry(tmp_path):
-    """install() registers the three decode-state hooks; with SPECCTL_PLAIN_DECODE=off none of them."""
+    """install() registers the three decode-state hooks; with SPECCTL_PATCHES=plain_decode=off none of them."""
     import subprocess
     import sys
 
@@ -494,7 +494,8 @@ import json, sys
 from sglang.srt.plugins.hook_registry import HookRegistry
 from specctl.plugin import sglang_hooks
 from specctl.plugin.engine import PluginSettings
-s = PluginSettings.from_env({"SPECCTL_PLAIN_DECODE": sys.argv[1], "SPECCTL_TELEMETRY": "none", "SPECCTL_POLICY": "none"})
+s = PluginSettings.from_env({"SPECCTL_PATCHES": "plain_decode=" + sys.argv[1], "SPECCTL_TELEMETRY": "none",
+                             "SPECCTL_POLICY": "none"})
 rt = sglang_hooks.install(s)
 print(json.dumps({"plain": s.plain_decode, "hooks": sorted(HookRegistry._hooks)}))
 """
@@ -506,8 +507,9 @@ print(json.dumps({"plain": s.plain_decode, "hooks": sorted(HookRegistry._hooks)}
         out[v] = __import__("json").loads(p.stdout.strip().splitlines()[-1])
     t = __import__("specctl.plugin.sglang_hooks", fromlist=["SGLANG_TARGETS"]).SGLANG_TARGETS
     assert out["on"]["plain"] is True and out["off"]["plain"] is False
-    for target in t.plain_targets():
+    for target in (t.verify, t.target_forward):
         assert target in out["on"]["hooks"] and target not in out["off"]["hooks"]
+    assert t.init_graphs in out["off"]["hooks"]  # the start-up line, logged after the patches' builds
 
 
 @pytest.mark.sglang
@@ -516,7 +518,7 @@ def test_the_hooks_dispatch_a_steps0_verify_through_the_real_registry(standin_mo
     hook and the target-forward hook together turn a steps-0 verify into a decode forward."""
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-    from specctl.plugin import sglang_hooks
+    from specctl.plugin import runtime as plugin_runtime
 
     mod = standin_module("specctl_plain_standin")
 
@@ -530,12 +532,14 @@ def test_the_hooks_dispatch_a_steps0_verify_through_the_real_registry(standin_mo
             self._target_worker = StandinTarget(lambda: None)
 
     mod.StandinWorker, mod.StandinTarget = StandinWorker, StandinTarget
-    HookRegistry.register(f"{mod.__name__}.StandinWorker.verify", sglang_hooks._around_verify, HookType.AROUND)
+    plain = make_plain()
+    HookRegistry.register(f"{mod.__name__}.StandinWorker.verify",
+                          plain.patch.wrapped("AROUND", pd.around_verify_hook), HookType.AROUND)
     HookRegistry.register(f"{mod.__name__}.StandinTarget.forward_batch_generation",
-                          sglang_hooks._around_target_forward, HookType.AROUND)
+                          plain.patch.wrapped("AROUND", pd.around_target_forward_hook), HookType.AROUND)
     HookRegistry.apply_hooks()
     assert f"{mod.__name__}.StandinWorker.verify" in HookRegistry._patched
-    monkeypatch.setattr(sglang_hooks, "_RUNTIME", SimpleNamespace(plain=make_plain()))
+    monkeypatch.setattr(plugin_runtime, "_RUNTIME", SimpleNamespace(plain=plain))
     w = mod.StandinWorker()
     res = w.verify(make_batch())
     assert res._specctl_off_path == pd.DECODE
@@ -579,6 +583,6 @@ def test_the_logprob_switch_is_off_by_default_and_read_from_the_environment():
     from specctl.plugin.engine import PluginSettings
 
     assert PluginSettings.from_env({}).plain_decode_logprobs is False
-    assert PluginSettings.from_env({"SPECCTL_PLAIN_DECODE_LOGPROBS": "on"}).plain_decode_logprobs is True
-    with pytest.raises(ValueError, match="SPECCTL_PLAIN_DECODE_LOGPROBS"):
-        PluginSettings.from_env({"SPECCTL_PLAIN_DECODE_LOGPROBS": "sometimes"})
+    assert PluginSettings.from_env({"SPECCTL_PATCHES": "plain_logprobs=on"}).plain_decode_logprobs is True
+    with pytest.raises(ValueError, match="plain_logprobs must be on or off"):
+        PluginSettings.from_env({"SPECCTL_PATCHES": "plain_logprobs=sometimes"})

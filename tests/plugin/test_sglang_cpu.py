@@ -148,12 +148,12 @@ def test_startup_check_names_the_hooks_that_did_not_take_effect(server, plugged,
     # to apply those hooks (the step timing, the result hook, the steps-0 token dtype, the decode state's three, on 0.5.17
     # the draft-extend width hook on spec_utils and the speculative KV allocation's on eagle_utils, and with
     # the split-KV kernel on, the default, the one on the triton backend); the REPLACE on the policy class went in
-    from specctl.plugin import sglang_hooks
+    from specctl.plugin import sglang_source
 
     problems = plugged.hook_problems
-    width = sglang_hooks._draft_width_needed()  # 0.5.17: its spec_utils sizes graphs from ServerArgs
+    width = sglang_source.draft_width_needed()  # 0.5.17: its spec_utils sizes graphs from ServerArgs
     splitkv = plugged.settings.splitkv_verify
-    alloc = sglang_hooks._spec_alloc_reads_scalars()  # 0.5.17: the KV lengths one tensor scalar at a time
+    alloc = sglang_source.spec_alloc_reads_scalars()  # 0.5.17: the KV lengths one tensor scalar at a time
     assert len(problems) == 6 + width + splitkv + alloc
     assert sum("alloc_for_spec_decode" in p and "2 ATen calls" in p for p in problems) == alloc
     assert sum("_build_trivial_verify_input" in p and "disable-overlap-schedule" in p for p in problems) == 1

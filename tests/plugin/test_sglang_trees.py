@@ -14,7 +14,7 @@ import pytest
 import zmq
 
 from specctl.controller import transport
-from specctl.plugin import launch_args, sglang_hooks
+from specctl.plugin import launch_args, sglang_hooks, sglang_source
 
 pytestmark = pytest.mark.sglang
 
@@ -52,7 +52,7 @@ def tree_server(plugged, tmp_path, monkeypatch):
         (tmp_path / "adaptive.json").write_text(json.dumps(args.adaptive_config))
         steps = int(args.flags[args.flags.index("--speculative-num-steps") + 1])
         rc = st.RuntimeContextStandin(st.ServerArgsStandin(str(tmp_path / "adaptive.json"), steps))
-        monkeypatch.setattr(sglang_hooks, "_runtime_context", lambda: rc)
+        monkeypatch.setattr(sglang_source, "runtime_context", lambda: rc)
         worker = st.TreeWorkerStandin(steps, str(tmp_path / "adaptive.json"), accept_tree, rc)
         worker.fail_build = fail_build
         worker.init_cuda_graphs(list(CUDA_GRAPH_BS))
@@ -173,14 +173,17 @@ def test_a_tree_build_that_fails_leaves_a_chain_under_its_key_and_the_server_up(
 def test_trees_are_refused_loudly_when_a_tree_hook_is_missing_or_the_skip_flag_is_set(
         tree_server, plugged, monkeypatch, caplog):
     caplog.set_level(logging.ERROR, logger="specctl.plugin")
-    monkeypatch.setattr(plugged, "targets", dataclasses.replace(plugged.targets, draft="nowhere.Draft.draft"))
+    width = plugged.guard.get("trees.width")
+    monkeypatch.setattr(width, "hooks", [(("nowhere.Draft.draft" if t == plugged.targets.draft else t), k, fn)
+                                         for t, k, fn in width.hooks])
+    monkeypatch.setattr(width, "off_reason", None)  # the check turns it off: on again for the next tests
     worker, proc, eng, _ = tree_server()
     assert eng.states[2] == (2, 1, 3) and worker.adaptive_controller._states[2].speculative_num_draft_tokens == 3
     assert any("NOT built: the tree hooks on nowhere.Draft.draft did not take effect" in r.getMessage()
                for r in caplog.records)
     monkeypatch.undo()
-    monkeypatch.setenv("SGLANG_SPEC_SKIP_ZERO_STEP_DRAFT_EXTEND", "1")
-    worker, proc, eng, _ = tree_server()
+    # SGLANG_SPEC_SKIP_ZERO_STEP_DRAFT_EXTEND=1, as register() reads it into the settings
+    worker, proc, eng, _ = tree_server(skip_zero_step_draft_extend=True)
     assert eng.states[2] == (2, 1, 3)
     assert any("SGLANG_SPEC_SKIP_ZERO_STEP_DRAFT_EXTEND" in r.getMessage() for r in caplog.records)
 
@@ -189,7 +192,7 @@ def test_the_shared_logits_buffer_is_sized_for_the_tree_width(tree_server, monke
     worker, _, _, rc = tree_server()
     st = standin()
     runner = st.ModelRunnerStandin(rc.sa)
-    monkeypatch.setattr(sglang_hooks, "_capture_sizes", lambda r, width: [1, 2, 4, 8, 16, 32, 48])
+    monkeypatch.setattr(sglang_source, "capture_sizes", lambda r, width: [1, 2, 4, 8, 16, 32, 48])
     assert runner.max_decode_logits_rows() == 48 * 16  # SGLang's own: 160 x 4 = 640 rows
     chain_only = st.ServerArgsStandin(rc.sa.speculative_adaptive_config, 3)
     chain_only.speculative_adaptive_config = None

@@ -1,4 +1,4 @@
-"""SPECCTL_SPEC_ALLOC_LIST: SGLang 0.5.17's alloc_for_spec_decode (every EAGLE decode step, on the scheduler
+"""Patch spec_alloc: SGLang 0.5.17's alloc_for_spec_decode (every EAGLE decode step, on the scheduler
 thread) ends with `req.kv.kv_allocated_len = max(..., int(nxt_kv_lens_cpu[i]))` for each request: two ATen
 calls a request. The hook hands it the same lengths as a list of ints at page size 1 (0.5.23 calls .tolist()
 itself). The installed SGLang's function is compiled from its own source here (its module imports
@@ -19,15 +19,17 @@ from types import SimpleNamespace
 
 import pytest
 
-from specctl.plugin import sglang_hooks
+from specctl.plugin import sglang_source
+from specctl.plugin.guard import Patch
+from specctl.plugin.patches import spec_alloc
 from specctl.plugin.engine import PluginSettings
 
 
 def test_settings_read_the_switch():
     assert PluginSettings.from_env({}).spec_alloc_list is True
-    assert PluginSettings.from_env({"SPECCTL_SPEC_ALLOC_LIST": "off"}).spec_alloc_list is False
-    with pytest.raises(ValueError, match="SPECCTL_SPEC_ALLOC_LIST"):
-        PluginSettings.from_env({"SPECCTL_SPEC_ALLOC_LIST": "sometimes"})
+    assert PluginSettings.from_env({"SPECCTL_PATCHES": "spec_alloc=off"}).spec_alloc_list is False
+    with pytest.raises(ValueError, match="SPECCTL_PATCHES: spec_alloc must be on or off"):
+        PluginSettings.from_env({"SPECCTL_PATCHES": "spec_alloc=sometimes"})
 
 
 def _installed_alloc_for_spec_decode(calls: list, compile_from):
@@ -67,7 +69,7 @@ def test_the_lengths_come_out_the_same(page_size, needed, import_sibling):
     import sglang
     import torch
 
-    needed_here = sglang_hooks._spec_alloc_reads_scalars()
+    needed_here = sglang_source.spec_alloc_reads_scalars()
     assert needed_here is (sglang.__version__ == "0.5.17")
     if not needed_here:  # 0.5.23 reads .tolist() itself: no hook is installed there (test below)
         return
@@ -79,7 +81,7 @@ def test_the_lengths_come_out_the_same(page_size, needed, import_sibling):
         fn_plain = _installed_alloc_for_spec_decode(plain, compile_from)
         fn_hooked = _installed_alloc_for_spec_decode(hooked, compile_from)
         want = _call(fn_plain, torch, page_size=page_size, lens=lens, needed=needed, seed=bs)
-        got = _call(lambda *a, **k: sglang_hooks._around_spec_alloc(fn_hooked, *a, **k), torch,
+        got = _call(lambda *a, **k: spec_alloc.around_spec_alloc(fn_hooked, *a, **k), torch,
                     page_size=page_size, lens=lens, needed=needed, seed=bs)
         assert got == want
         assert [(n, len(a)) for n, a, _ in hooked] == [(n, len(a)) for n, a, _ in plain]
@@ -101,10 +103,13 @@ def test_the_hook_hands_a_list_at_page_size_1_only():
     t = Lens([5, 6])
     tc1 = SimpleNamespace(token_to_kv_pool_allocator=SimpleNamespace(page_size=1))
     tc4 = SimpleNamespace(token_to_kv_pool_allocator=SimpleNamespace(page_size=4))
-    assert sglang_hooks._around_spec_alloc(orig, tc1, "pool", nxt_kv_lens_cpu=t) == "done"
-    assert sglang_hooks._around_spec_alloc(orig, tc4, "pool", nxt_kv_lens_cpu=t) == "done"
-    # no allocator to read: the call as SGLang made it (said once)
-    assert sglang_hooks._around_spec_alloc(orig, SimpleNamespace(), "pool", nxt_kv_lens_cpu=t) == "done"
+    patch = Patch(spec_alloc.NAME)
+    hook = patch.wrapped("AROUND", spec_alloc.around_spec_alloc)  # guarded, as install() registers it
+    assert hook(orig, tc1, "pool", nxt_kv_lens_cpu=t) == "done"
+    assert hook(orig, tc4, "pool", nxt_kv_lens_cpu=t) == "done"
+    # no allocator to read: the call as SGLang made it, the patch off (said once)
+    assert hook(orig, SimpleNamespace(), "pool", nxt_kv_lens_cpu=t) == "done"
+    assert not patch.on and "AttributeError" in patch.off_reason
     assert [type(x) for x in seen] == [list, Lens, Lens] and seen[0] == [5, 6]
 
 
@@ -121,7 +126,7 @@ def test_the_hook_is_registered_where_sglang_reads_scalars():
         out = {}
         for v in ("on", "off"):
             HookRegistry._hooks.clear()
-            s = PluginSettings.from_env({"SPECCTL_SPEC_ALLOC_LIST": v, "SPECCTL_TELEMETRY": "none",
+            s = PluginSettings.from_env({"SPECCTL_PATCHES": "spec_alloc=" + v, "SPECCTL_TELEMETRY": "none",
                                          "SPECCTL_POLICY": "none"})
             sglang_hooks.install(s)
             out[v] = sglang_hooks.SGLANG_TARGETS.spec_alloc in HookRegistry._hooks

@@ -1,4 +1,4 @@
-"""The split-KV verify switch (SPECCTL_SPLITKV_VERIFY): which TritonAttnBackend instances get SGLang's
+"""The split-KV verify patch (SPECCTL_PATCHES splitkv): which TritonAttnBackend instances get SGLang's
 split-KV verify kernel, and that install() registers the hook only when asked."""
 
 from __future__ import annotations
@@ -11,8 +11,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from specctl.plugin import sglang_hooks
+from specctl.plugin import sglang_source
 from specctl.plugin.engine import PluginSettings
+from specctl.plugin.patches import splitkv
 
 
 def backend(topk, device="cuda", flag=False, kernel=True):
@@ -32,22 +33,22 @@ def backend(topk, device="cuda", flag=False, kernel=True):
     (backend(4, flag=True), True),           # SGLang's own choice (gfx95) is never taken back
 ])
 def test_only_topk1_cuda_backends_get_the_split_kv_kernel(b, on):
-    assert sglang_hooks._after_triton_init(None, b) is None
+    assert splitkv.after_triton_init(None, b) is None
     assert b.use_verify_splitkv is on
 
 
 def test_settings_read_the_switch_and_refuse_nonsense():
     assert PluginSettings.from_env({}).splitkv_verify is True  # on by default since its GPU checks passed
-    assert PluginSettings.from_env({"SPECCTL_SPLITKV_VERIFY": "off"}).splitkv_verify is False
-    assert PluginSettings.from_env({"SPECCTL_SPLITKV_VERIFY": "on"}).splitkv_verify is True
-    with pytest.raises(ValueError, match="SPECCTL_SPLITKV_VERIFY"):
-        PluginSettings.from_env({"SPECCTL_SPLITKV_VERIFY": "maybe"})
+    assert PluginSettings.from_env({"SPECCTL_PATCHES": "splitkv=off"}).splitkv_verify is False
+    assert PluginSettings.from_env({"SPECCTL_PATCHES": "splitkv=on"}).splitkv_verify is True
+    with pytest.raises(ValueError, match="SPECCTL_PATCHES: splitkv must be on or off"):
+        PluginSettings.from_env({"SPECCTL_PATCHES": "splitkv=maybe"})
 
 
 def test_sglangs_own_switch_off_keeps_the_extend_kernel(monkeypatch):
-    monkeypatch.setattr(sglang_hooks, "_sglang_allows_splitkv", lambda: False)
+    monkeypatch.setattr(sglang_source, "allows_splitkv", lambda: False)
     b = backend(1)
-    assert sglang_hooks._after_triton_init(None, b) is None
+    assert splitkv.after_triton_init(None, b) is None
     assert b.use_verify_splitkv is False
 
 
@@ -55,8 +56,8 @@ def test_sglangs_own_switch_off_keeps_the_extend_kernel(monkeypatch):
 @pytest.mark.parametrize("value, allowed", [(None, True), ("0", False), ("false", False), ("1", True)])
 def test_sglangs_switch_is_read_as_sglang_reads_it(value, allowed):
     code = r"""
-from specctl.plugin import sglang_hooks
-print(sglang_hooks._sglang_allows_splitkv())
+from specctl.plugin import sglang_source
+print(sglang_source.allows_splitkv())
 """
     env = {k: v for k, v in os.environ.items() if k != "SGLANG_ENABLE_SPLITKV_VERIFY"}
     if value is not None:
@@ -74,11 +75,14 @@ import json, sys
 from sglang.srt.plugins.hook_registry import HookRegistry
 from specctl.plugin import sglang_hooks
 from specctl.plugin.engine import PluginSettings
-s = PluginSettings.from_env({"SPECCTL_SPLITKV_VERIFY": sys.argv[1], "SPECCTL_TELEMETRY": "none", "SPECCTL_POLICY": "none"})
+s = PluginSettings.from_env({"SPECCTL_PATCHES": "splitkv=" + sys.argv[1], "SPECCTL_TELEMETRY": "none",
+                             "SPECCTL_POLICY": "none"})
 sglang_hooks.install(s)
 print(json.dumps(sorted(HookRegistry._hooks)))
 """
-    target = sglang_hooks.SGLANG_TARGETS.triton_init
+    from specctl.plugin.runtime import SGLANG_TARGETS
+
+    target = SGLANG_TARGETS.triton_init
     for v, want in (("on", True), ("off", False)):
         p = subprocess.run([sys.executable, "-c", code, v], capture_output=True, text=True, timeout=120,
                            env=dict(os.environ, PYTHONWARNINGS="ignore"))

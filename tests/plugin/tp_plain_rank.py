@@ -22,15 +22,16 @@ tp = ps.init_model_parallel_group([list(range(world))], rank, "gloo", use_pynccl
                                   use_custom_allreduce=False, use_message_queue_broadcaster=True,
                                   group_name="tp")
 
-from specctl.plugin import plain_decode, sglang_hooks  # noqa: E402
-from specctl.plugin.engine import PluginSettings  # noqa: E402
+from specctl.plugin import sglang_hooks  # noqa: E402
+from specctl.plugin.patches import plain_decode  # noqa: E402
+from specctl.plugin.settings import PluginSettings  # noqa: E402
 
 
-def capture(worker, backends):
+def capture(worker, backends, **kw):
     if rank == fail_rank:
         raise MemoryError(f"stand-in capture out of memory on rank {rank}")
     return plain_decode.PlainDecode(runner=SimpleNamespace(max_bs=64), backend="decode-backend",
-                                    forward_batch=None, decode_mode=None, full_hidden=None)
+                                    forward_batch=None, decode_mode=None, full_hidden=None, **kw)
 
 
 plain_decode._capture = capture
@@ -41,8 +42,8 @@ worker = SimpleNamespace(adaptive_controller=SimpleNamespace(_states={0: object(
                          speculative_algorithm=SimpleNamespace(name="EAGLE3"), topk=1,
                          server_args=SimpleNamespace(pp_size=1), _target_worker=SimpleNamespace(model_runner=mr))
 settings = PluginSettings(telemetry_endpoint=None, policy_endpoint=None)
-rt = sglang_hooks.PluginRuntime(settings, tp_group_fn=lambda: tp)
-rt.tp_group = tp
+rt = sglang_hooks.PluginRuntime(settings, tp_group_fn=lambda: tp, patches=[plain_decode.patch])
+rt.hooks_checked = True  # the hooks are not registered here: whether they took effect is test_plain_decode's concern
 rt.build_plain(worker)
 import torch.distributed as dist  # noqa: E402
 

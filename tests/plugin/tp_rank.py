@@ -15,7 +15,7 @@ from pathlib import Path
 rank, world, port, endpoint, outdir = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], Path(sys.argv[5])
 # rank 0 sends telemetry (to no one: a PUSH drops), so it reads each batch's context for that alone while
 # the other rank reads it only where the policy decides by it: their decisions must agree anyway
-os.environ.update({"SPECCTL_POLICY": endpoint, "SPECCTL_SYNC_EVERY": "8",
+os.environ.update({"SPECCTL_POLICY": endpoint,
                    "SPECCTL_TELEMETRY": f"ipc://{outdir}/telemetry.sock" if rank == 0 else "none",
                    "SPECCTL_SERVER_ID": "tp-test", "SPECCTL_STALE_AFTER_S": "30"})
 
@@ -39,28 +39,32 @@ run_scheduler_process()
 
 from sglang.srt.plugins.hook_registry import HookRegistry, HookType  # noqa: E402
 
-from specctl.plugin import sglang_hooks  # noqa: E402
+import dataclasses  # noqa: E402
+
+from specctl.plugin import runtime as plugin_runtime  # noqa: E402
+from specctl.plugin import sglang_source  # noqa: E402
 
 # make `tp` SGLang's TP group, where the plugin's default accessor looks for it
 ps._TP = tp  # <= 0.5.19: get_tp_group() returns this module global
 try:
-    found = sglang_hooks._sglang_tp_group()
+    found = sglang_source.tp_group()
 except RuntimeError:  # 0.5.22+: it reads the runtime context, not written yet
     found = None
 if found is not tp:
     from sglang.srt.runtime_context import get_parallel
 
     get_parallel().override_permanently(tp_group=tp)
-assert sglang_hooks._sglang_tp_group() is tp
-rt = sglang_hooks.runtime()
+assert sglang_source.tp_group() is tp
+rt = plugin_runtime.current()
+rt.settings = dataclasses.replace(rt.settings, sync_every=8)  # a TP broadcast every 8 results (16 in a server)
 spec = importlib.util.spec_from_file_location("specctl_sglang_standin", Path(__file__).with_name("sglang_standin.py"))
 st = importlib.util.module_from_spec(spec)
 sys.modules["specctl_sglang_standin"] = st
 spec.loader.exec_module(st)
 HookRegistry.register("specctl_sglang_standin.EAGLEWorkerV2Standin.forward_batch_generation",
-                      sglang_hooks._around_forward, HookType.AROUND)
+                      plugin_runtime.around_forward, HookType.AROUND)
 HookRegistry.register("specctl_sglang_standin.ResultProcessorStandin._resolve_spec_v2_tokens",
-                      sglang_hooks._after_resolve, HookType.AFTER)
+                      plugin_runtime.after_resolve, HookType.AFTER)
 HookRegistry.apply_hooks()
 
 cfg = outdir / f"adaptive{rank}.json"

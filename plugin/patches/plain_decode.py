@@ -20,7 +20,7 @@ the hidden states EAGLE-3's draft needs; everything around it stays SGLang's own
 
 Any failure while building, or in a step, turns the decode state off for the rest of the process
 (logged once, with the reason) and the step runs SGLang's trivial verify: never a crash, never a
-wrong token. Imported only inside SGLang scheduler processes (plugin/sglang_hooks.py).
+wrong token. Imported only inside SGLang scheduler processes (plugin/sglang_hooks.py registers it).
 """
 
 from __future__ import annotations
@@ -30,6 +30,11 @@ import time
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator, Optional
 
+from .. import runtime as _rt
+from ..guard import AFTER, AROUND, Patch
+
+NAME = "plain_decode"
+LOST = "no decode state: speculation off runs SGLang's 1-token verify"
 log = logging.getLogger("specctl.plugin")
 
 DECODE, VERIFY = "decode", "verify"  # which "off" ran: telemetry's off_path
@@ -40,7 +45,8 @@ class PlainDecode:
     backend, and whether it is on. The per-step hooks read `on`, `pending` and `logprobs` only."""
 
     def __init__(self, *, runner: Any, backend: Any, forward_batch: Any, decode_mode: Any, full_hidden: Any,
-                 build_s: float = 0.0, mem_gb: float = 0.0, logprobs: bool = False):
+                 build_s: float = 0.0, mem_gb: float = 0.0, logprobs: bool = False, patch: Optional[Patch] = None):
+        self.patch = patch if patch is not None else Patch(NAME, lost=LOST, collective=True)
         self.runner = runner
         # SGLang's ForwardBatch, ForwardMode.DECODE and CaptureHiddenMode.FULL (given, so that the CPU
         # tests, where forward_batch_info does not import, can run the step logic on stand-ins)
@@ -49,14 +55,12 @@ class PlainDecode:
         self.max_bs = int(getattr(runner, "max_bs", 0)) if runner is not None else 0
         self.build_s = build_s
         self.mem_gb = mem_gb
-        self.on = True
-        self.off_reason: Optional[str] = None
-        # SPECCTL_PLAIN_DECODE_LOGPROBS: steps with log-probability requests run the decode forward too
+        # plain_logprobs: steps with log-probability requests run the decode forward too
         # (SGLang's verify computes them from its logits, as for the 1-token verify); off: they run the
         # trivial verify
         self.logprobs = logprobs
         self.pending: Any = None  # the ScheduleBatch of the verify call in flight
-        # the rows and committed host lengths the last decode forward planned with (SPECCTL_HOST_SEQ_LENS)
+        # the rows and committed host lengths the last decode forward planned with (patch host_lens)
         self.planned: Optional[tuple[Any, Any]] = None
         self.ran = False  # the forward of the verify call in flight was the decode forward
         self.last_graph = False
@@ -64,12 +68,13 @@ class PlainDecode:
         self.num_graph_steps = 0
         self.num_verify_steps = 0  # steps-0 steps that ran the trivial verify (a per-step reason)
 
-    def turn_off(self, reason: str) -> None:
-        if self.on:
-            self.on = False
-            self.off_reason = reason
-            log.error("specctl: decode state OFF for the rest of this process: %s; steps 0 runs "
-                      "SGLang's trivial verify", reason)
+    @property
+    def on(self) -> bool:
+        return self.patch.on
+
+    @property
+    def off_reason(self) -> Optional[str]:
+        return self.patch.off_reason
 
     def status(self) -> dict[str, Any]:
         return {"on": self.on, "off_reason": self.off_reason, "graph_max_bs": self.max_bs,
@@ -130,40 +135,35 @@ TRITON, FLASHINFER = "TritonAttnBackend", "FlashInferAttnBackend"
 
 
 def backends(flashinfer: bool = False) -> tuple[str, ...]:
-    """The attention backends the decode state is built on: triton (measured on the H200), and flashinfer
-    unless SPECCTL_PLAIN_DECODE_FLASHINFER=off (checked on an H100, 2026-12-06: on by default since)."""
+    """The attention backends the decode state is built on: triton, and flashinfer unless plain_flashinfer=off."""
     return (TRITON, FLASHINFER) if flashinfer else (TRITON,)
 
 
-def build(worker: Any, *, agree: Callable[[bool], bool], backends: tuple[str, ...] = (TRITON,)) -> Optional[PlainDecode]:
-    """AFTER init_cuda_graphs: capture the decode state's graphs (the decode batch sizes of the
-    launch) with a fresh attention backend of the launch's kind. None when it cannot run here; the
-    reason is logged once. `agree(ok)` is True only when every TP rank built (gloo MIN)."""
-    why = unsupported_reason(worker)
-    plain, ok = None, False
-    if why is None:
-        try:
-            plain = _capture(worker, backends)
-            ok = True
-        except Exception as e:  # noqa: BLE001 - the server starts, with the trivial verify
-            why = f"building it failed: {type(e).__name__}: {e}"
-            log.exception("specctl: the decode state's build failed")
-    all_ok = agree(ok)
-    if ok and not all_ok:
-        why = "another TP rank could not build it"
-    if not (ok and all_ok):
-        log.warning("specctl: no decode state, steps 0 runs SGLang's trivial verify (a 1-token TARGET_VERIFY): %s "
-                    "(SPECCTL_PLAIN_DECODE=off silences this)", why)
+def build(worker: Any, *, agree: Callable[[bool], bool], backends: tuple[str, ...] = (TRITON,),
+          patch: Optional[Patch] = None, logprobs: bool = False) -> Optional[PlainDecode]:
+    """AFTER init_cuda_graphs: capture the decode state's graphs (the decode batch sizes of the launch) with a
+    fresh attention backend of the launch's kind, published only if every TP rank built it (`agree`, gloo MIN:
+    every rank votes, whatever happened). None when it cannot run here; the patch is then off, said once."""
+    patch = patch if patch is not None else Patch(NAME, lost=LOST, collective=True)
+
+    def make() -> Any:
+        why = unsupported_reason(worker)
+        if why is not None:
+            return why
+        return _capture(worker, backends, patch=patch, logprobs=logprobs)
+
+    plain = patch.build(make, agree=agree)
+    if plain is None:
         return None
     graphs = (f"DECODE graphs for batch sizes up to {plain.max_bs} (eager above)" if plain.runner is not None
               else "no CUDA graphs in this launch: eager DECODE forwards")
     log.info("specctl: decode state built: %s, %.2f GB, %.1f s; "
-             "speculation off runs a decode forward (SPECCTL_PLAIN_DECODE=off: the trivial verify)",
+             "speculation off runs a decode forward (SPECCTL_PATCHES=plain_decode=off: the trivial verify)",
              graphs, plain.mem_gb, plain.build_s)
     return plain
 
 
-def _capture(worker: Any, backends: tuple[str, ...]) -> PlainDecode:
+def _capture(worker: Any, backends: tuple[str, ...], **kw: Any) -> PlainDecode:
     from sglang.srt.utils import get_available_gpu_memory
 
     mr = worker._target_worker.model_runner
@@ -181,7 +181,7 @@ def _capture(worker: Any, backends: tuple[str, ...]) -> PlainDecode:
             mr.init_new_workspace = keep
         kind = type(backend).__name__
         if kind not in backends:
-            hint = "; SPECCTL_PLAIN_DECODE_FLASHINFER=off keeps it off flashinfer" if kind == FLASHINFER else ""
+            hint = "; SPECCTL_PATCHES=plain_flashinfer=off keeps it off flashinfer" if kind == FLASHINFER else ""
             raise RuntimeError(f"attention backend {kind} (the decode state supports {', '.join(backends)}{hint})")
         runner = None
         if getattr(steps0, "target_graph_runner", None) is not None:  # CUDA graphs on (SGLang built one)
@@ -191,7 +191,8 @@ def _capture(worker: Any, backends: tuple[str, ...]) -> PlainDecode:
     from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardBatch, ForwardMode
 
     return PlainDecode(runner=runner, backend=backend, forward_batch=ForwardBatch, decode_mode=ForwardMode.DECODE,
-                       full_hidden=CaptureHiddenMode.FULL, build_s=time.perf_counter() - tic, mem_gb=before - after)
+                       full_hidden=CaptureHiddenMode.FULL, build_s=time.perf_counter() - tic, mem_gb=before - after,
+                       **kw)
 
 
 _RUNNER_CLASS: Optional[type] = None
@@ -256,7 +257,7 @@ def around_verify(plain: PlainDecode, orig: Callable[..., Any], worker: Any, bat
         # the trivial verify (its preparation re-derives the same cache slots and inputs from the
         # committed batch; its forward rewrites the KV the decode forward wrote), and the decode
         # state is off from here on
-        plain.turn_off(f"log-probabilities of a decode-state step failed in SGLang's verify: {type(e).__name__}: {e}")
+        plain.patch.turn_off(f"log-probabilities of a decode-state step failed in SGLang's verify: {type(e).__name__}: {e}")
         log.exception("specctl: decode state step with log-probabilities failed")
         plain.pending = None
         return orig(worker, batch, *args, **kwargs)
@@ -266,7 +267,7 @@ def around_verify(plain: PlainDecode, orig: Callable[..., Any], worker: Any, bat
         result.can_run_cuda_graph = plain.last_graph
         result._specctl_off_path = DECODE
     elif plain.on:  # the verify ran eagerly: the target-forward hook never saw this step
-        plain.turn_off("the target forward of a steps-0 verify did not reach the decode-state hook")
+        plain.patch.turn_off("the target forward of a steps-0 verify did not reach the decode-state hook")
     return result
 
 
@@ -285,7 +286,7 @@ def around_target_forward(plain: PlainDecode, orig: Callable[..., Any], target_w
         with _attrs(mr, attn_backend=plain.backend, decode_cuda_graph_runner=plain.runner):
             out = orig(target_worker, batch=None, forward_batch=fb, is_verify=True)
     except Exception as e:  # noqa: BLE001 - the step still runs, as the trivial verify
-        plain.turn_off(f"a decode forward failed: {type(e).__name__}: {e}")
+        plain.patch.turn_off(f"a decode forward failed: {type(e).__name__}: {e}")
         log.exception("specctl: decode state step failed")
         return orig(target_worker, *args, **kwargs)
     mr.war_fastpath_read_done_event = None  # a DECODE replay publishes one; only the draft's is read
@@ -330,18 +331,45 @@ def _attrs(obj: Any, **values: Any) -> Iterator[None]:
             setattr(obj, k, v)
 
 
-def tp_agree(tp_group: Any) -> Callable[[bool], bool]:
-    """`agree(ok)`: True only if every rank of the TP group says ok (MIN over its gloo group)."""
-    world = int(getattr(tp_group, "world_size", 1) or 1)
+# ---------------------------------------------------------------------------- hooks
 
-    def agree(ok: bool) -> bool:
-        if world <= 1:
-            return ok
-        import torch
-        import torch.distributed as dist
 
-        t = torch.tensor([1 if ok else 0], dtype=torch.int32)
-        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=tp_group.cpu_group)
-        return bool(int(t.item()))
+def patch(rt: Any) -> Optional[Patch]:
+    """The decode state's hooks, or None where plain_decode is off."""
+    if not rt.settings.plain_decode:
+        return None
+    t = rt.targets
+    p = Patch(NAME, lost=LOST, collective=True)
+    p.hook(AFTER, t.init_graphs, after_init_graphs)
+    p.hook(AROUND, t.verify, around_verify_hook)
+    p.hook(AROUND, t.target_forward, around_target_forward_hook)
+    return p
 
-    return agree
+
+def after_init_graphs(ret: Any, worker: Any, *args: Any, **kwargs: Any) -> None:
+    rt = _rt.current()
+    if rt is not None:
+        rt.build_plain(worker)
+    return None
+
+
+def around_verify_hook(orig: Callable[..., Any], worker: Any, batch: Any, *args: Any, **kwargs: Any) -> Any:
+    plain = _rt.live("plain")
+    if plain is None or worker.speculative_num_steps != 0:
+        return orig(worker, batch, *args, **kwargs)
+    plain.planned = None
+    out = around_verify(plain, orig, worker, batch, args, kwargs)
+    hl = _rt.live("host_lens")
+    if hl is not None and plain.planned is not None and plain.ran and plain.on:
+        try:
+            hl.on_decode_step(*plain.planned)
+        except Exception as e:  # noqa: BLE001 - the next step pulls its lengths as SGLang does
+            hl.patch.turn_off(f"{type(e).__name__}: {e}")
+    return out
+
+
+def around_target_forward_hook(orig: Callable[..., Any], target_worker: Any, *args: Any, **kwargs: Any) -> Any:
+    plain = _rt.live("plain")
+    if plain is None or plain.pending is None or not kwargs.get("is_verify"):
+        return orig(target_worker, *args, **kwargs)
+    return around_target_forward(plain, orig, target_worker, args, kwargs)

@@ -1,4 +1,4 @@
-"""SPECCTL_FI_VERIFY_HOST_PLAN on SGLang 0.5.17: the flashinfer plan of the TARGET_VERIFY CUDA graphs built from
+"""Patch fi_plan on SGLang 0.5.17: the flashinfer plan of the TARGET_VERIFY CUDA graphs built from
 the lengths the host already holds, as 0.5.23's SGLANG_OPT_FLASHINFER_VERIFY_HOST_PLAN does, so that the verify prep
 makes none of plan()'s four blocking device-to-host reads (docs/flashinfer-spec-copies.md, fix P2: V1-V4).
 
@@ -19,6 +19,13 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import torch
+
+from .. import runtime as _rt
+from .. import sglang_source
+from ..guard import AROUND, Patch
+
+NAME = "fi_plan"
+LOST = "flashinfer verify plans keep plan()'s blocking device-to-host reads"
 
 log = logging.getLogger("specctl.plugin")
 
@@ -140,12 +147,11 @@ class HostPlan:
     ways (the host plan, then plan() over it, whose result stands) and compared. Any fault or mismatch turns
     it off for the process, said once; every later plan is plan()'s."""
 
-    def __init__(self, mode: str = "on", *, check_steps: int = 32, pack: Optional[Callable[..., Any]] = None):
+    def __init__(self, mode: str = "on", *, check_steps: int = 32, pack: Optional[Callable[..., Any]] = None,
+                 patch: Optional[Patch] = None):
+        self.patch = patch if patch is not None else Patch(NAME, lost=LOST, mode=mode)
         self.mode = mode
         self.check_left = check_steps if mode == "check" else 0
-        self.on = True
-        self.wired = False  # set once the plugin has checked that both hooks are in place
-        self.off_reason: Optional[str] = None
         self.num_marked = 0
         self.num_host_plans = 0
         self.num_checked = 0
@@ -164,7 +170,7 @@ class HostPlan:
             if fb.forward_mode.is_target_verify():
                 self.mark(backend, fb)
         except Exception as e:  # noqa: BLE001 - SGLang's plan() stays
-            self.turn_off(f"marking a verify capture failed: {type(e).__name__}: {e}")
+            self.patch.turn_off(f"marking a verify capture failed: {type(e).__name__}: {e}")
         return out
 
     def around_call_begin_forward(self, orig: Callable[..., Any], updater: Any, args: tuple, kwargs: dict) -> Any:
@@ -173,7 +179,7 @@ class HostPlan:
         if width is None or not self.on:
             return orig(updater, *args, **kwargs)
         try:
-            call = _signature(orig).bind(updater, *args, **kwargs).arguments
+            call = _signature(inspect.unwrap(orig)).bind(updater, *args, **kwargs).arguments
             seq_lens_cpu = call.get("seq_lens_cpu")
             why = self._replay_refusal(call, seq_lens_cpu, width)
             if why is not None:
@@ -181,7 +187,7 @@ class HostPlan:
                 return orig(updater, *args, **kwargs)
             w.begin_forward = functools.partial(self.plan, w, host_layout(seq_lens_cpu, width))
         except Exception as e:  # noqa: BLE001
-            self.turn_off(f"preparing a host plan failed: {type(e).__name__}: {e}")
+            self.patch.turn_off(f"preparing a host plan failed: {type(e).__name__}: {e}")
             return orig(updater, *args, **kwargs)
         try:
             return orig(updater, *args, **kwargs)
@@ -194,7 +200,7 @@ class HostPlan:
         bs = forward_batch.batch_size
         why = capture_refusal(backend, forward_batch, self._pack_problem())
         if why is not None:
-            self.say(f"TARGET_VERIFY graphs keep plan()'s device reads (SPECCTL_FI_VERIFY_HOST_PLAN): {why}",
+            self.say(f"TARGET_VERIFY graphs keep plan()'s device reads (patch fi_plan): {why}",
                      logging.WARNING if why.startswith("flashinfer") else logging.INFO)
             return 0
         n = 0
@@ -208,7 +214,7 @@ class HostPlan:
         self.num_marked += n
         if n:
             self.say("TARGET_VERIFY flashinfer plans built from host values, without plan()'s blocking "
-                     "device-to-host reads (SPECCTL_FI_VERIFY_HOST_PLAN=" +
+                     "device-to-host reads (fi_plan=" +
                      (f"check: the first {self.check_left} compared with plan()'s)" if self.check_left else "on)"))
         return n
 
@@ -250,7 +256,7 @@ class HostPlan:
                 return self._check(w, layout, stock, args, kwargs)
             why = self.plan_from_host(w, layout, args, kwargs)
         except Exception as e:  # noqa: BLE001 - plan() redoes every write
-            self.turn_off(f"a host-built verify plan failed: {type(e).__name__}: {e}")
+            self.patch.turn_off(f"a host-built verify plan failed: {type(e).__name__}: {e}")
             return stock(*args, **kwargs)
         if why is not None:
             self.say(f"a verify plan kept plan()'s device reads: {why}")
@@ -347,7 +353,7 @@ class HostPlan:
         diff = [k for k in theirs if not _same(mine[k], theirs[k])]
         if diff:
             detail = "; ".join(f"{k}: host {_show(mine[k])} vs plan() {_show(theirs[k])}" for k in diff[:3])
-            self.turn_off(f"self-check: the host-built verify plan differs from plan()'s in {', '.join(diff)} "
+            self.patch.turn_off(f"self-check: the host-built verify plan differs from plan()'s in {', '.join(diff)} "
                           f"({detail})")
         elif self.check_left == 0:
             self.say(f"self-check passed: {self.num_checked} host-built verify plans equal plan()'s "
@@ -356,11 +362,13 @@ class HostPlan:
 
     # ------------------------------------------------------------------ helpers
 
-    def turn_off(self, reason: str) -> None:
-        if self.on:
-            self.on = False
-            self.off_reason = reason
-            log.error("specctl: %s; SGLang's plan() for every verify from now on", reason)
+    @property
+    def on(self) -> bool:
+        return self.patch.on
+
+    @property
+    def off_reason(self) -> Optional[str]:
+        return self.patch.off_reason
 
     def say(self, msg: str, level: int = logging.INFO) -> None:
         if msg not in self._said:
@@ -395,3 +403,51 @@ def _show(x: Any) -> str:
         x = x.flatten()[:8].tolist() + (["..."] if x.numel() > 8 else [])
     s = str(x)
     return s if len(s) <= 120 else s[:117] + "..."
+
+
+# ---------------------------------------------------------------------------- hooks
+
+
+def patch(rt: Any) -> Optional[Patch]:
+    """The host-built verify plan's hooks, or None where fi_plan is off or SGLang has its own (then turned on)."""
+    s = rt.settings
+    if s.fi_verify_host_plan == "off":
+        return None
+    field = sglang_source.verify_host_plan_switch()
+    if field is not None:
+        _use_sglang_switch(field, s.fi_verify_host_plan)
+        return None
+    p = Patch(NAME, lost=LOST, mode=s.fi_verify_host_plan)
+    p.publish(HostPlan(s.fi_verify_host_plan, check_steps=s.fi_verify_check_steps, patch=p))
+    p.hook(AROUND, rt.targets.fi_out_graph, around_out_graph)
+    p.hook(AROUND, rt.targets.fi_begin_forward, around_call_begin_forward)
+    return p
+
+
+def _use_sglang_switch(field: Any, mode: str) -> None:
+    """fi_plan on an SGLang that has its own switch: turn that on, unless the operator set it."""
+    name = sglang_source.SGLANG_VERIFY_HOST_PLAN
+    if field.is_set():
+        log.info("specctl: fi_plan=%s: %s is set (%s) and stays as set; no plugin hook", mode, name, field.get())
+        return
+    field.set(True)
+    unchecked = "; its plan is not self-checked (check mode compares plans on SGLang 0.5.17 only)"
+    log.info("specctl: fi_plan=%s: turned on this SGLang's own %s (no plugin hook)%s",
+             mode, name, unchecked if mode == "check" else "")
+
+
+def around_out_graph(orig: Callable[..., Any], backend: Any, *args: Any, **kwargs: Any) -> Any:
+    rt = _rt.current()
+    if rt is not None and not rt.hooks_checked:  # a capture before any policy object: both hooks, or none of it
+        rt.check_hooks()
+    hp = _rt.live("fi_plan")
+    if hp is None:
+        return orig(backend, *args, **kwargs)
+    return hp.around_out_graph(orig, backend, args, kwargs)
+
+
+def around_call_begin_forward(orig: Callable[..., Any], updater: Any, *args: Any, **kwargs: Any) -> Any:
+    hp = _rt.live("fi_plan")
+    if hp is None:
+        return orig(updater, *args, **kwargs)
+    return hp.around_call_begin_forward(orig, updater, args, kwargs)

@@ -1,16 +1,8 @@
-"""The draft kept in sync across plain decode by one extend per K steps instead of one per step
-(SPECCTL_DRAFT_CATCHUP; off by default: see below).
+"""The draft kept in sync across plain decode by one extend per K steps instead of one per step (patch catchup;
+off by default: measured faster per step, but its server's prefill iterations cost more, cause not found).
 
-At steps 0 SGLang extends the draft by each step's one token, so that its KV and hidden state are in
-sync when speculation resumes; on the H200 testbed that extend is 2.2-2.5 % of the decode state's step
-(2026-12-03: the decode state 1.032 / 1.039x the no-spec step at c = 16 / 32, 1.010 / 1.014x without
-it). Measured with K = 16 (2026-12-03, second lease): the decode state 1.013 / 1.018 / 1.016x the no-spec
-step at c = 1 / 4 / 16 (1.029 / 1.034 / 1.031x without the catch-up), the draft's acceptance after a 30 s
-plain stretch 0.986 of its reference (0.973 without), greedy outputs unchanged; third lease (every prefill
-the whole prompt): 1.014-1.018x at c = 16, 1.024x at c = 64 and at c = 128. It stays off by default because
-its server's prefill iterations cost more (fourth lease, nothing profiled: 10-step windows at batch >= 120 with one
-/ two prefills 134 / 173 ms, 116 / 130 without it; profiled, the target's prefill span 42 ms of CPU against 30), for
-a reason not found yet. Here a steps-0 step keeps the target's hidden state and the new token of each request in a ring of
+At steps 0 SGLang extends the draft by each step's one token, so that its KV and hidden state are in sync when
+speculation resumes. Here a steps-0 step keeps the target's hidden state and the new token of each request in a ring of
 K per request slot, and the draft is extended over what is pending in one forward: SGLang's own
 draft-extend step (_draft_extend_for_decode) with a window of K tokens per request, the pending ones
 first (the rest go to the padding slot and are never read):
@@ -36,8 +28,12 @@ import logging
 from types import SimpleNamespace
 from typing import Any, Callable, Optional
 
+from .. import runtime as _rt
+from ..guard import AFTER, AROUND, BEFORE, Patch
 from .plain_decode import _attrs
 
+NAME = "catchup"
+LOST = "no draft catch-up: steps 0 extends the draft every step"
 log = logging.getLogger("specctl.plugin")
 
 
@@ -45,9 +41,10 @@ class DraftCatchup:
     """The rings, what is pending, and the step count of one EAGLE worker's draft. `torch` is given so
     that the CPU tests can run it on CPU tensors."""
 
-    def __init__(self, *, k: int, worker: Any, torch_mod: Any):
+    def __init__(self, *, k: int, worker: Any, torch_mod: Any, patch: Optional[Patch] = None):
+        self.patch = patch if patch is not None else Patch(NAME, lost=LOST)
         if k < 2:
-            raise ValueError(f"SPECCTL_DRAFT_CATCHUP needs a ring of at least 2 steps, not {k}")
+            raise ValueError(f"catchup needs a ring of at least 2 steps, not {k}")
         self.k = k
         self.torch = torch_mod
         self.worker = worker  # EAGLEWorkerV2: its own zero stubs for skipped draft outputs
@@ -61,17 +58,16 @@ class DraftCatchup:
         self.window = torch_mod.arange(k, dtype=torch_mod.int64, device=self.device)
         self.since = 0  # steps-0 steps since the last catch-up: the same count on every TP rank
         self.extend_fn: Optional[Callable[..., Any]] = None  # SGLang's _draft_extend_for_decode, unhooked
-        self.on = True
-        self.off_reason: Optional[str] = None
         self.num_recorded = 0
         self.num_catchups = 0
 
-    def turn_off(self, reason: str) -> None:
-        if self.on:
-            self.on = False
-            self.off_reason = reason
-            log.error("specctl: draft catch-up OFF for the rest of this process: %s; steps 0 extends the draft "
-                      "every step again (requests pending now keep a draft with gaps until they finish)", reason)
+    @property
+    def on(self) -> bool:
+        return self.patch.on
+
+    @property
+    def off_reason(self) -> Optional[str]:
+        return self.patch.off_reason
 
     # ------------------------------------------------------------------ per step
 
@@ -91,7 +87,7 @@ class DraftCatchup:
             else:
                 self.worker._stub_skipped_draft_extend(batch, result)
         except Exception as e:  # noqa: BLE001 - this step extends as SGLang does; the catch-up is off
-            self.turn_off(f"a steps-0 step failed: {type(e).__name__}: {e}")
+            self.patch.turn_off(f"a steps-0 step failed: {type(e).__name__}: {e}")
             log.exception("specctl: draft catch-up step failed")
             return orig(dw, batch, result, *args, **kwargs)
         return None
@@ -114,7 +110,7 @@ class DraftCatchup:
                 setattr(info, name, t.where(m, new, old))
         except Exception as e:  # noqa: BLE001 - the draft runs on what it has (accepts less, decides nothing)
             self.since = 0
-            self.turn_off(f"the catch-up before a draft failed: {type(e).__name__}: {e}")
+            self.patch.turn_off(f"the catch-up before a draft failed: {type(e).__name__}: {e}")
             log.exception("specctl: draft catch-up before a draft failed")
 
     def after_prefill(self, batch: Any) -> None:
@@ -126,7 +122,7 @@ class DraftCatchup:
         try:
             self.pending.index_fill_(0, batch.req_pool_indices.to(self.torch.int64), 0)
         except Exception as e:  # noqa: BLE001
-            self.turn_off(f"resetting a prefilled request failed: {type(e).__name__}: {e}")
+            self.patch.turn_off(f"resetting a prefilled request failed: {type(e).__name__}: {e}")
 
     # ------------------------------------------------------------------ the ring and the window
 
@@ -236,20 +232,67 @@ def unsupported_reason(worker: Any, *, trees: bool, plain_reason: Optional[str],
 
 
 def build(worker: Any, *, k: int, trees: bool, plain_reason: Optional[str],
-          skip_zero_extend: bool = False) -> Optional[DraftCatchup]:
-    """AFTER init_cuda_graphs, every TP rank: the catch-up, or None with the reason logged once. Nothing
-    here is collective; the ring of hidden states is allocated at the first steps-0 step."""
-    why = unsupported_reason(worker, trees=trees, plain_reason=plain_reason, skip_zero_extend=skip_zero_extend)
-    if why is None:
-        try:
-            import torch
+          skip_zero_extend: bool = False, patch: Optional[Patch] = None) -> Optional[DraftCatchup]:
+    """AFTER init_cuda_graphs, every TP rank: the catch-up, or None with the patch off and the reason logged once.
+    Nothing here is collective; the ring of hidden states is allocated at the first steps-0 step."""
+    patch = patch if patch is not None else Patch(NAME, lost=LOST)
 
-            cu = DraftCatchup(k=k, worker=worker, torch_mod=torch)
-        except Exception as e:  # noqa: BLE001 - steps 0 extends every step, as SGLang does
-            why = f"building it failed: {type(e).__name__}: {e}"
-    if why is not None:
-        log.warning("specctl: no draft catch-up, steps 0 extends the draft every step: %s", why)
-        return None
-    log.info("specctl: draft catch-up on: steps 0 extends the draft once per %d steps (and before the first "
-             "draft after plain decode) instead of every step (SPECCTL_DRAFT_CATCHUP=off: every step)", k)
+    def make() -> Any:
+        why = unsupported_reason(worker, trees=trees, plain_reason=plain_reason, skip_zero_extend=skip_zero_extend)
+        if why is not None:
+            return why
+        import torch
+
+        return DraftCatchup(k=k, worker=worker, torch_mod=torch, patch=patch)
+
+    cu = patch.build(make)
+    if cu is not None:
+        log.info("specctl: draft catch-up on: steps 0 extends the draft once per %d steps (and before the first "
+                 "draft after plain decode) instead of every step (SPECCTL_PATCHES=catchup=off: every step)", k)
     return cu
+
+
+# ---------------------------------------------------------------------------- hooks
+
+
+def patch(rt: Any) -> Optional[Patch]:
+    """The catch-up's hooks, or None where catchup is off."""
+    if not rt.settings.draft_catchup:
+        return None
+    t = rt.targets
+    p = Patch(NAME, lost=LOST)
+    p.hook(AFTER, t.init_graphs, after_init_graphs)
+    p.hook(AROUND, t.extend_decode, around_extend)
+    p.hook(BEFORE, t.draft, before_draft)
+    p.hook(AFTER, t.extend_prefill, after_prefill)
+    return p
+
+
+def after_init_graphs(ret: Any, worker: Any, *args: Any, **kwargs: Any) -> None:
+    rt = _rt.current()
+    if rt is not None:
+        rt.build_catchup(worker)
+    return None
+
+
+def around_extend(orig: Callable[..., Any], draft_worker: Any, *args: Any, **kwargs: Any) -> Any:
+    cu = _rt.live("catchup")
+    if cu is None:
+        return orig(draft_worker, *args, **kwargs)
+    batch, args, rest = _rt.first_arg(args, kwargs, "batch")
+    result, args, rest = _rt.first_arg(args, rest, "batch_result")
+    return cu.around_extend(orig, draft_worker, batch, result, args, rest)
+
+
+def before_draft(draft_worker: Any, *args: Any, **kwargs: Any) -> None:
+    cu = _rt.live("catchup")
+    if cu is not None:
+        cu.before_draft(draft_worker, args[0] if args else kwargs["batch"])
+    return None
+
+
+def after_prefill(ret: Any, draft_worker: Any, *args: Any, **kwargs: Any) -> None:
+    cu = _rt.live("catchup")
+    if cu is not None:
+        cu.after_prefill(args[0] if args else kwargs["batch"])
+    return None  # keep SGLang's return value

@@ -1,4 +1,4 @@
-"""The decode state's sequence lengths kept on the host (SPECCTL_HOST_SEQ_LENS; SGLang 0.5.17; `check` by default).
+"""The decode state's sequence lengths kept on the host (patch host_lens; SGLang 0.5.17; `check` by default).
 
 Under the overlap scheduler SGLang's spec-v2 path learns each step's sequence lengths from the device:
 `FutureMap.resolve_seq_lens_cpu` copies them on a private stream and then `synchronize()`s, whenever an attention
@@ -39,8 +39,13 @@ from typing import Any, Callable, Optional
 import numpy as np
 import torch
 
-from .engine import CHECK_MODES
+from .. import runtime as _rt
+from .. import sglang_source
+from ..guard import AROUND, BEFORE, Patch
+from ..settings import CHECK_MODES
 
+NAME = "host_lens"
+LOST = "every step pulls its sequence lengths from the device (SGLang's path)"
 log = logging.getLogger("specctl")
 
 DEFAULT_CHECK_STEPS = 32
@@ -51,7 +56,9 @@ class HostSeqLens:
     """The host's copy of the lengths the publishes wrote, row by row (arrays indexed by request-pool row: a
     decode step's bookkeeping is a few vectorised numpy operations), and its use by the next resolve."""
 
-    def __init__(self, mode: str, check_steps: int = DEFAULT_CHECK_STEPS):
+    def __init__(self, mode: str, check_steps: int = DEFAULT_CHECK_STEPS, patch: Optional[Patch] = None):
+        self.patch = patch if patch is not None else Patch(NAME, lost=LOST, mode="check" if mode == "check" else "on")
+        self.patch.when_off(self._drop)
         if mode not in CHECK_MODES:
             raise ValueError(f"host sequence lengths: mode must be one of {', '.join(CHECK_MODES)}, not {mode!r}")
         self.mode = mode
@@ -63,7 +70,6 @@ class HostSeqLens:
         self._len = np.zeros(0, dtype=np.int64)  # per request-pool row: its length on the device ...
         self._ok = np.zeros(0, dtype=bool)  # ... where the host followed its last write
         self._pre = np.zeros(0, dtype=bool)  # ... and that write was a prefill's
-        self.off_reason: Optional[str] = None
         self.not_needed: Optional[str] = None  # why this launch has no pull to skip (stand_down)
         self.num_host = 0  # resolves served from the host copy
         self.num_device = 0  # resolves that pulled the lengths from the device
@@ -83,7 +89,11 @@ class HostSeqLens:
 
     @property
     def on(self) -> bool:
-        return self.mode != "off" and self.off_reason is None and self.not_needed is None
+        return self.mode != "off" and self.patch.on and self.not_needed is None
+
+    @property
+    def off_reason(self) -> Optional[str]:
+        return self.patch.off_reason
 
     def stand_down(self, why: str) -> None:
         """Nothing to keep in this launch (SGLang never pulls the lengths here): off, without a warning."""
@@ -93,10 +103,8 @@ class HostSeqLens:
         self.expect = self.values = None
         self._ok[:] = False
 
-    def turn_off(self, why: str) -> None:
-        if self.off_reason is None:
-            self.off_reason = why
-            log.warning("specctl: host sequence lengths off: %s; SGLang's device pull for every step from now on", why)
+    def _drop(self) -> None:
+        """Off: nothing of the copy is used again (SGLang's device pull for every step)."""
         self.expect = self.values = None
         self._ok[:] = False
 
@@ -171,7 +179,7 @@ def around_resolve(hl: HostSeqLens, debug_assert: Callable[[], bool], orig: Call
         found = None if debug_assert() else hl.host_lengths(fmap, batch)
         host = None if found is None else (torch.from_numpy(found[0]), int(found[0].sum()))
     except Exception as e:  # noqa: BLE001 - SGLang's pull runs
-        hl.turn_off(f"{type(e).__name__}: {e}")
+        hl.patch.turn_off(f"{type(e).__name__}: {e}")
         found = host = None
     if host is None:
         if hl.on and _pulls(fmap, batch):
@@ -189,7 +197,7 @@ def around_resolve(hl: HostSeqLens, debug_assert: Callable[[], bool], orig: Call
         if got != vals.tolist():
             bad = [(r, h, d) for r, h, d in zip(_ints(batch.req_pool_indices_cpu), vals.tolist(),
                                                 got or [None] * len(vals)) if h != d][:4]
-            hl.turn_off(f"self-check: the host's lengths differ from the device's (row, host, device: {bad})")
+            hl.patch.turn_off(f"self-check: the host's lengths differ from the device's (row, host, device: {bad})")
             return out
         if not checking:
             return out
@@ -225,7 +233,7 @@ def around_publish(hl: HostSeqLens, orig: Callable[..., Any], fmap: Any, future_
     try:
         hl.after_publish(future_indices)
     except Exception as e:  # noqa: BLE001
-        hl.turn_off(f"{type(e).__name__}: {e}")
+        hl.patch.turn_off(f"{type(e).__name__}: {e}")
     return out
 
 
@@ -266,3 +274,67 @@ def _arr(x: Any) -> np.ndarray:
     if isinstance(x, torch.Tensor):
         return x.numpy().astype(np.int64, copy=False)
     return np.asarray(x, dtype=np.int64)
+
+
+# ---------------------------------------------------------------------------- hooks
+
+
+def problem(settings: Any, targets: Any) -> Optional[str]:
+    """Why host_lens cannot apply here, or None."""
+    if not settings.plain_decode:
+        return "it keeps the decode state's lengths, and plain_decode is off; nothing done"
+    import pkgutil
+
+    mod, cls, name = targets.fmap_resolve.rsplit(".", 2)
+    try:
+        resolve = getattr(getattr(pkgutil.resolve_name(mod), cls), name)
+    except Exception as e:  # noqa: BLE001
+        return f"{targets.fmap_resolve} not found ({type(e).__name__}: {e}); nothing done"
+    return supported(resolve)
+
+
+def patch(rt: Any) -> Optional[Patch]:
+    """The host copy's hooks and the copy itself, or None where host_lens is off or cannot apply (said)."""
+    s = rt.settings
+    if s.host_seq_lens == "off":
+        return None
+    why = problem(s, rt.targets)
+    if why is not None:  # the default quietly, a setting the operator gave loudly
+        (log.warning if s.host_seq_lens_set else log.info)("specctl: SPECCTL_PATCHES host_lens=%s: %s",
+                                                           s.host_seq_lens, why)
+        return None
+    p = Patch(NAME, lost=LOST, mode="check" if s.host_seq_lens == "check" else "on")
+    p.publish(HostSeqLens(s.host_seq_lens, check_steps=s.host_seq_lens_check_steps, patch=p))
+    # its copy follows the forward, the publish and the resolve, or none of them (the guard checks all three)
+    p.hook(BEFORE, rt.targets.forward, before_forward)
+    p.hook(AROUND, rt.targets.fmap_publish, around_fmap_publish)
+    p.hook(AROUND, rt.targets.fmap_resolve, around_fmap_resolve)
+    return p
+
+
+def before_forward(worker: Any, *args: Any, **kwargs: Any) -> None:
+    """The rows of the forward starting, and a prefill's lengths (an EXTEND batch's host and device lengths come
+    from one list: ScheduleBatch.prepare_for_extend), for the publish inside it."""
+    hl = _rt.live("host_lens")
+    if hl is None:
+        return None
+    batch = args[0] if args else kwargs["batch"]
+    prefill = getattr(batch.forward_mode, "name", None) == "EXTEND"
+    hl.begin_forward(batch.req_pool_indices_cpu, batch.seq_lens_cpu if prefill else None)
+    return None
+
+
+def around_fmap_publish(orig: Callable[..., Any], fmap: Any, *args: Any, **kwargs: Any) -> Any:
+    hl = _rt.live("host_lens")
+    if hl is None:
+        return orig(fmap, *args, **kwargs)
+    indices, args, rest = _rt.first_arg(args, kwargs, "future_indices")
+    return around_publish(hl, orig, fmap, indices, *args, **rest)
+
+
+def around_fmap_resolve(orig: Callable[..., Any], fmap: Any, *args: Any, **kwargs: Any) -> Any:
+    hl = _rt.live("host_lens")
+    if hl is None:
+        return orig(fmap, *args, **kwargs)
+    batch, args, rest = _rt.first_arg(args, kwargs, "batch")
+    return around_resolve(hl, sglang_source.overlap_debug_assert, orig, fmap, batch, *args, **rest)
