@@ -637,8 +637,6 @@ def _describe(t: PolicyTable) -> str:
         parts.append(f"bs {rng}: {wire.config_name(r.config)}")
     if t.explore:
         parts.append(f"explore 1/{t.explore_period}")
-    if t.challenge:
-        parts.append(f"challenge 1/{t.challenge_period}")
     return ", ".join(parts)
 
 
