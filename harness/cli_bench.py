@@ -188,7 +188,8 @@ class _Progress:
         if self.tty and now - self._last_draw >= self.every_s:
             self._last_draw = now
             span = t - self._recent[0][0]
-            rate = sum(n for _, n in self._recent) / span if span > 0 else 0.0
+            # a step's tokens land at its end: the oldest step's count before the window opened
+            rate = (sum(n for _, n in self._recent) - self._recent[0][1]) / span if span > 0 else 0.0
             self._draw(self._line(t, self._names[self._phase], bs, rate))
 
     def finish(self) -> None:

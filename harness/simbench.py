@@ -592,6 +592,8 @@ def figure(results: Sequence[SimResult], title: str = "", subtitle: str = "", *,
     key_ax = fig.add_subplot(gs[0, 1])
     key_ax.axis("off")
     rank_ax = fig.add_subplot(gs[1:, 1])
+    for ax, name in ((ax1, "throughput"), (ax2, "decisions"), (ax3, "load"), (key_ax, "key"), (rank_ax, "ranking")):
+        ax.set_label(name)
 
     ends = np.cumsum([p.duration_s for p in subject.phases])
     starts = np.concatenate([[0.0], ends[:-1]])
