@@ -225,8 +225,7 @@ class _Progress:
     def _policy_words(self) -> str:
         if self.policy is None:
             return "policy: none yet (the engine's fallback)"
-        rows = " ".join(f"{r.min_batch}{'+' if r.max_batch is None else '-' + str(r.max_batch)}:{r.config.name}"
-                        for r in self.policy.table)
+        rows = " ".join(f"{_band(r.min_batch, r.max_batch)}:{r.config.name}" for r in self.policy.table)
         return f"policy v{self.policy.version}: {rows}"
 
     def _draw(self, line: str) -> None:
@@ -235,6 +234,10 @@ class _Progress:
         self.out.write("\r\x1b[2K" + line[:max(20, cols - 1)])
         self.out.flush()
         self._drawn = True
+
+
+def _band(lo: int, hi: Optional[int]) -> str:
+    return f"{lo}+" if hi is None else str(lo) if hi == lo else f"{lo}-{hi}"
 
 
 def _run_live(profile: Any, workload: Any, telemetry: str, policy_ep: str, *, seed: Optional[int] = None,

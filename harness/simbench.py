@@ -580,7 +580,7 @@ def figure(results: Sequence[SimResult], title: str = "", subtitle: str = "", *,
     lines = [x for i, x in enumerate(lines) if all(x[0] is not y[0] for y in lines[i + 1:])]
 
     dur = subject.duration_s
-    nbins = int(min(240, max(20, dur)))
+    nbins = int(min(240, max(20, dur / 2)))
     edges = np.linspace(0.0, dur, nbins + 1)
     mid = 0.5 * (edges[1:] + edges[:-1])
 
@@ -612,8 +612,8 @@ def figure(results: Sequence[SimResult], title: str = "", subtitle: str = "", *,
 
     for r, words, style in lines:
         ax1.plot(mid, _binned(r, edges, r.trace_tokens, rate=True), label=words, **style)
-    ax1.set_title("Throughput: output tokens/s in each second (higher is better)", fontsize=11, loc="left",
-                  pad=34, fontweight="bold")
+    ax1.set_title(f"Throughput: output tokens/s, mean over each {edges[1] - edges[0]:.2g} s (higher is better)",
+                  fontsize=11, loc="left", pad=34, fontweight="bold")
     ax1.set_ylabel("output tokens/s", fontsize=10)
     ax1.set_ylim(bottom=0)
     plt.setp(ax1.get_xticklabels(), visible=False)

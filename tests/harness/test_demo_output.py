@@ -18,7 +18,8 @@ WORKLOAD = {"schema": "specctl.workload/1", "seed": 3,
                        for n, d, c in PHASES]}
 POLICY = wire.policy_from_obj({
     "kind": "policy", "schema": 1, "version": 7, "created_at": 1.0, "source": "online",
-    "table": [{"min_batch": 1, "max_batch": 4, "config": {"steps": 3, "topk": 1, "draft_tokens": 4}},
+    "table": [{"min_batch": 1, "max_batch": 3, "config": {"steps": 3, "topk": 1, "draft_tokens": 4}},
+              {"min_batch": 4, "max_batch": 4, "config": {"steps": 1, "topk": 1, "draft_tokens": 2}},
               {"min_batch": 5, "max_batch": None, "config": {"steps": 0, "topk": 1, "draft_tokens": 1}}]})
 STEP_S = 0.05
 TOKENS_PER_STEP = 10  # 200 tok/s
@@ -51,7 +52,7 @@ def test_off_a_terminal_the_progress_is_one_line_per_phase():
     for ln, (_, _, c) in zip(lines, PHASES):
         assert f"batch {c:>3}" in ln and "  200 tok/s  " in ln, ln  # the phase's mean batch and rate
     assert lines[0].endswith("policy: none yet (the engine's fallback)")
-    assert lines[1].endswith("policy v7: 1-4:s3 5+:off") and lines[2].endswith("policy v7: 1-4:s3 5+:off")
+    assert lines[1].endswith("policy v7: 1-3:s3 4:s1 5+:off") and lines[2].endswith("policy v7: 1-3:s3 4:s1 5+:off")
 
 
 def test_on_a_terminal_one_line_is_redrawn_and_each_phase_leaves_one(monkeypatch):
