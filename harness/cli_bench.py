@@ -272,8 +272,8 @@ def demo(profile_name: str, workload_name: str, plot_out: str, json_out: Optiona
     """Start `specctl serve`, drive a simulated SGLang engine against it over ZeroMQ for the length of
     the workload, then compare it, on the same seeded workload, with an operator's hand-picked
     threshold (speculation below batch 5, plain decode from 5), SGLang's built-in adaptive policy,
-    speculation off, every static configuration and the oracle; print one verdict line and write a
-    PNG. Needs no GPU.
+    speculation off, every static configuration and the oracle. Prints the verdict first, then the
+    details, and the verdict again as its last line (`verdict: ...`); writes a PNG. Needs no GPU.
 
     By default: a 1T-parameter INT4 MoE served TP8 over PCIe (moe-1t-int4-tp8-pcie) on code traffic
     ramping up, a mixed surge and chat ramping down (code-chat-ramp). The dense 8B profile of earlier
