@@ -646,7 +646,9 @@ def figure(results: Sequence[SimResult], title: str = "", subtitle: str = "", *,
     ypos = np.arange(len(ranked))
     vals = np.array([r.tokens_per_s for r in ranked])
     cols = [colour_of.get(id(r), "#555555") for r in ranked]
-    rank_ax.hlines(ypos, vals.min() * 0.97, vals, color="#dddddd", lw=1.2, zorder=1)
+    span = float(vals.max() - vals.min()) or 0.05 * float(vals.max()) or 1.0
+    lo, hi = vals.min() - 0.08 * span, vals.max() + 0.22 * span  # room for the figures beside the dots
+    rank_ax.hlines(ypos, lo, vals, color="#dddddd", lw=1.2, zorder=1)
     rank_ax.scatter(vals, ypos, c=cols, s=[70 if r is subject else 36 for r in ranked], zorder=2)
     for y, r, v in zip(ypos, ranked, vals):
         rank_ax.annotate(f"{v:.0f}", (v, y), xytext=(6, 0), textcoords="offset points", va="center", fontsize=8.5,
@@ -659,7 +661,7 @@ def figure(results: Sequence[SimResult], title: str = "", subtitle: str = "", *,
         if r is subject:
             lab.set_fontweight("bold")
     rank_ax.yaxis.tick_right()
-    rank_ax.set_xlim(vals.min() * 0.97, vals.max() * 1.025)
+    rank_ax.set_xlim(lo, hi)
     rank_ax.set_ylim(-0.6, len(ranked) - 0.4)
     rank_ax.tick_params(axis="x", labelsize=8)
     rank_ax.grid(axis="x", alpha=0.35)
