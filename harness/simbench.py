@@ -650,9 +650,10 @@ def figure(results: Sequence[SimResult], title: str = "", subtitle: str = "", *,
     lo, hi = vals.min() - 0.08 * span, vals.max() + 0.22 * span  # room for the figures beside the dots
     rank_ax.hlines(ypos, lo, vals, color="#dddddd", lw=1.2, zorder=1)
     rank_ax.scatter(vals, ypos, c=cols, s=[70 if r is subject else 36 for r in ranked], zorder=2)
+    digits = 1 if vals.max() < 1000 else 0  # near-equal policies differ in the first decimal
     for y, r, v in zip(ypos, ranked, vals):
-        rank_ax.annotate(f"{v:.0f}", (v, y), xytext=(6, 0), textcoords="offset points", va="center", fontsize=8.5,
-                         fontweight="bold" if r is subject else "normal")
+        rank_ax.annotate(f"{v:.{digits}f}", (v, y), xytext=(6, 0), textcoords="offset points", va="center",
+                         fontsize=8.5, fontweight="bold" if r is subject else "normal")
     names = ["specctl live" if r.policy == "adaptive-live" else
              "specctl (virtual clock)" if r.policy == "adaptive" else r.policy for r in ranked]
     rank_ax.set_yticks(ypos, names, fontsize=8.5)
