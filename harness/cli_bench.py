@@ -152,9 +152,8 @@ class _Progress:
 
     BAR_WIDTH = 16
 
-    def __init__(self, profile: Any, workload: Any, *, out: Optional[TextIO] = None, tty: Optional[bool] = None,
+    def __init__(self, workload: Any, *, out: Optional[TextIO] = None, tty: Optional[bool] = None,
                  every_s: float = 0.2, window_s: float = 1.0):
-        self.profile = profile
         self.out = out if out is not None else sys.stdout
         self.tty = self.out.isatty() if tty is None else tty
         self.every_s = every_s
@@ -170,7 +169,6 @@ class _Progress:
         self._phase_steps = 0
         self._recent: deque[tuple[float, int]] = deque()
         self._last_draw = float("-inf")
-        self._drawn = False
 
     def on_policy(self, rec: Any) -> None:
         self.policy = rec
@@ -208,7 +206,6 @@ class _Progress:
         if self.tty:
             self._draw(line)
             self.out.write("\n")
-            self._drawn = False
         else:
             self.out.write(line + "\n")
         self.out.flush()
@@ -233,7 +230,6 @@ class _Progress:
         cols = shutil.get_terminal_size((100, 24)).columns
         self.out.write("\r\x1b[2K" + line[:max(20, cols - 1)])
         self.out.flush()
-        self._drawn = True
 
 
 def _band(lo: int, hi: Optional[int]) -> str:
@@ -245,7 +241,7 @@ def _run_live(profile: Any, workload: Any, telemetry: str, policy_ep: str, *, se
     from .simbench import LiveAdaptivePolicy
     from ..training.simulator import simulate
 
-    view = _Progress(profile, workload)
+    view = _Progress(workload)
     t0 = time.monotonic()
     pol = LiveAdaptivePolicy(profile, telemetry, policy_ep, name="adaptive-live", clock=time.time,
                              on_policy=view.on_policy)

@@ -41,7 +41,7 @@ def _feed(view, until_s, policy_at_s=None):
 def test_off_a_terminal_the_progress_is_one_line_per_phase():
     wl = parse_workload(WORKLOAD)
     out = io.StringIO()
-    view = _Progress(load_profile("moe-1t-int4-tp8-pcie"), wl, out=out, tty=False)
+    view = _Progress(wl, out=out, tty=False)
     _feed(view, 12.0, policy_at_s=5.0)
     view.finish()
     lines = out.getvalue().splitlines()
@@ -59,7 +59,7 @@ def test_on_a_terminal_one_line_is_redrawn_and_each_phase_leaves_one(monkeypatch
     monkeypatch.setenv("COLUMNS", "60")
     wl = parse_workload(WORKLOAD)
     out = io.StringIO()
-    view = _Progress(load_profile("moe-1t-int4-tp8-pcie"), wl, out=out, tty=True, every_s=0.0)
+    view = _Progress(wl, out=out, tty=True, every_s=0.0)
     _feed(view, 3.0)
     text = out.getvalue()
     assert "\n" not in text and text.count("\r\x1b[2K") >= 50  # redrawn in place, never scrolled
