@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
 import time
+from collections import deque
+from itertools import accumulate
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, TextIO
 
 import click
 
@@ -18,6 +22,7 @@ import click
 DEMO_PROFILE = "moe-1t-int4-tp8-pcie"
 DEMO_WORKLOAD = "code-chat-ramp"
 OPERATOR_THRESHOLD = 5
+RATIO_WORDS = "(x = specctl's tokens/s over that policy's, same workload and seed: above 1, specctl is faster)"
 
 
 def _shipped(kind: str) -> str:
@@ -52,6 +57,22 @@ def _load(profile: str, workload: str):
 @click.group()
 def bench() -> None:
     """Benchmarks: policies on the simulator (CPU only)."""
+
+
+def _profile_words(name_or_path: str, profile: Any) -> tuple[str, str]:
+    """The profile named for a reader, short and long: a synthetic one (its note says so) says so,
+    with what it models."""
+    from ..training.simfiles import SimFileError, resolve
+
+    try:
+        note = json.loads(resolve(name_or_path, "profiles").read_text()).get("note", "")
+    except (OSError, ValueError, SimFileError):
+        note = ""
+    if not (isinstance(note, str) and note.lower().startswith("synthetic")):
+        return f"profile {profile.name}", f"profile {profile.name}"
+    what = note.partition(":")[2].partition(";")[0].strip()
+    what = f"{what}; modelled, not measured" if what and len(what) <= 80 else "modelled, not measured"
+    return f"synthetic profile {profile.name}", f"synthetic profile {profile.name} ({what})"
 
 
 @bench.command("sim")
@@ -118,73 +139,101 @@ def bench_sim(profile_name: Optional[str], workload_name: Optional[str], policie
         click.echo(f"wrote {json_out}", err=True)
     if plot_out:
         try:
-            simbench.plot(rep.results, plot_out)
+            simbench.plot(rep.results, plot_out, subtitle=f"{_profile_words(profile_name, profile)[1]} · "
+                          f"workload {workload.name}, seed {rep.seed}", workload=workload)
         except RuntimeError as e:
             raise click.ClickException(str(e)) from None
         click.echo(f"wrote {plot_out}", err=True)
 
 
-class _LiveView:
-    """A few lines, redrawn in place on a terminal (one line per update otherwise)."""
+class _Progress:
+    """The live run as one progress line, redrawn in place on a terminal; one line per finished
+    phase everywhere (the only lines when the output is not a terminal)."""
 
-    def __init__(self, profile: Any, workload: Any, every_s: float = 0.5):
-        self.profile = profile
-        self.workload = workload
+    BAR_WIDTH = 16
+
+    def __init__(self, workload: Any, *, out: Optional[TextIO] = None, tty: Optional[bool] = None,
+                 every_s: float = 0.2, window_s: float = 1.0):
+        self.out = out if out is not None else sys.stdout
+        self.tty = self.out.isatty() if tty is None else tty
         self.every_s = every_s
-        self.tty = sys.stdout.isatty()
+        self.window_s = window_s
+        self.duration_s = workload.duration_s
         self.policy: Any = None
-        self.num_policies = 0
-        self._last = time.monotonic()
-        self._drawn = 0
-        self._tok = 0
-        self._steps: dict[int, int] = {}
-        self._bs = 0
-        ends = []
-        acc = 0.0
-        for p in workload.phases:
-            acc += p.duration_s
-            ends.append((acc, p.name))
-        self._ends = ends
+        self._ends = list(accumulate(p.duration_s for p in workload.phases))
+        self._names = [p.name or f"phase {i + 1}" for i, p in enumerate(workload.phases)]
+        self._name_width = max(len(n) for n in self._names)
+        self._phase = 0
+        self._phase_tok = 0
+        self._phase_bs = 0
+        self._phase_steps = 0
+        self._recent: deque[tuple[float, int]] = deque()
+        self._last_draw = float("-inf")
 
     def on_policy(self, rec: Any) -> None:
-        if self.policy is None or rec.version != self.policy.version:
-            self.num_policies += 1
         self.policy = rec
 
     def on_step(self, t: float, bs: int, k: int, tokens: int) -> None:
-        self._tok += tokens
-        self._bs = bs
-        self._steps[k] = self._steps.get(k, 0) + 1
+        while self._phase < len(self._ends) - 1 and t >= self._ends[self._phase]:
+            self._finish_phase()
+        self._phase_tok += tokens
+        self._phase_bs += bs
+        self._phase_steps += 1
+        self._recent.append((t, tokens))
+        while self._recent and t - self._recent[0][0] > self.window_s:
+            self._recent.popleft()
         now = time.monotonic()
-        if now - self._last < self.every_s:
+        if self.tty and now - self._last_draw >= self.every_s:
+            self._last_draw = now
+            span = t - self._recent[0][0]
+            # a step's tokens land at its end: the oldest step's count before the window opened
+            rate = (sum(n for _, n in self._recent) - self._recent[0][1]) / span if span > 0 else 0.0
+            self._draw(self._line(t, self._names[self._phase], bs, rate))
+
+    def finish(self) -> None:
+        """The last phase's line (call once, after the run)."""
+        self._finish_phase()
+        self._phase = len(self._ends)
+
+    def _finish_phase(self) -> None:
+        if self._phase >= len(self._ends):
             return
-        span = now - self._last
-        self._last = now
-        phase = next((n for e, n in self._ends if t < e), self._ends[-1][1])
-        total = sum(self._steps.values()) or 1
-        mix = " ".join(f"{self.profile.config_names[i]} {100 * n / total:.0f}%" for i, n in sorted(self._steps.items()))
-        lines = [f"t={t:5.1f}/{self.workload.duration_s:.0f}s  phase {phase:<8} batch {bs:>3}  "
-                 f"{self._tok / max(span, 1e-9):7.0f} tok/s  configs: {mix}"]
-        if self.policy is None:
-            lines.append("policy: none received yet (engine on its fixed-threshold fallback)")
-        else:
-            rows = ", ".join(
-                f"{r.min_batch}{'+' if r.max_batch is None else '-' + str(r.max_batch)}:{r.config.name}"
-                for r in self.policy.table)
-            ev = (self.policy.model or {}).get("evidence", "")
-            lines.append(f"policy v{self.policy.version} ({self.policy.source}): {rows}"
-                         + (f"   [{ev}]" if ev and ev != "ok" else ""))
-        self._tok = 0
-        self._steps.clear()
+        end = self._ends[self._phase]
+        start = self._ends[self._phase - 1] if self._phase else 0.0
+        steps = max(self._phase_steps, 1)
+        line = self._line(end, self._names[self._phase], round(self._phase_bs / steps),
+                          self._phase_tok / max(end - start, 1e-9))
         if self.tty:
-            if self._drawn:
-                sys.stdout.write(f"\x1b[{self._drawn}A")
-            for ln in lines:
-                sys.stdout.write("\x1b[2K" + ln[:160] + "\n")
-            sys.stdout.flush()
-            self._drawn = len(lines)
+            self._draw(line)
+            self.out.write("\n")
         else:
-            click.echo(" | ".join(lines))
+            self.out.write(line + "\n")
+        self.out.flush()
+        self._phase += 1
+        self._phase_tok = self._phase_bs = self._phase_steps = 0
+
+    def _line(self, t: float, phase: str, bs: int, rate: float) -> str:
+        done = min(1.0, max(0.0, t / self.duration_s)) if self.duration_s > 0 else 1.0
+        fill = round(done * self.BAR_WIDTH)
+        w = len(f"{self.duration_s:.0f}")
+        return (f"[{'#' * fill}{'.' * (self.BAR_WIDTH - fill)}] {t:{w}.0f}/{self.duration_s:.0f} s  "
+                f"{phase:<{self._name_width}}  batch {bs:>3}  {rate:5.0f} tok/s  {self._policy_words()}")
+
+    def _policy_words(self) -> str:
+        if self.policy is None:
+            return "policy: none yet (the engine's fallback)"
+        rows = " ".join(f"{_band(r.min_batch, r.max_batch)}:{r.config.name}" for r in self.policy.table)
+        return f"policy v{self.policy.version}: {rows}"
+
+    def _draw(self, line: str) -> None:
+        # cut to the terminal's width: a wrapped line could not be redrawn in place
+        cols = shutil.get_terminal_size((100, 24)).columns
+        self.out.write("\r\x1b[2K" + line[:max(20, cols - 1)])
+        self.out.flush()
+
+
+def _band(lo: int, hi: Optional[int]) -> str:
+    return f"{lo}+" if hi is None else str(lo) if hi == lo else f"{lo}-{hi}"
 
 
 def _run_live(profile: Any, workload: Any, telemetry: str, policy_ep: str, *, seed: Optional[int] = None,
@@ -192,15 +241,18 @@ def _run_live(profile: Any, workload: Any, telemetry: str, policy_ep: str, *, se
     from .simbench import LiveAdaptivePolicy
     from ..training.simulator import simulate
 
-    view = _LiveView(profile, workload)
+    view = _Progress(workload)
     t0 = time.monotonic()
     pol = LiveAdaptivePolicy(profile, telemetry, policy_ep, name="adaptive-live", clock=time.time,
                              on_policy=view.on_policy)
     try:
-        return simulate(profile, workload, pol, seed=seed, on_step=view.on_step if show else None,
-                        clock=lambda: time.monotonic() - t0)
+        res = simulate(profile, workload, pol, seed=seed, on_step=view.on_step if show else None,
+                       clock=lambda: time.monotonic() - t0)
     finally:
         pol.close()
+    if show:
+        view.finish()
+    return res
 
 
 @click.command()
@@ -216,8 +268,8 @@ def demo(profile_name: str, workload_name: str, plot_out: str, json_out: Optiona
     """Start `specctl serve`, drive a simulated SGLang engine against it over ZeroMQ for the length of
     the workload, then compare it, on the same seeded workload, with an operator's hand-picked
     threshold (speculation below batch 5, plain decode from 5), SGLang's built-in adaptive policy,
-    speculation off, every static configuration and the oracle; print one verdict line and write a
-    PNG. Needs no GPU.
+    speculation off, every static configuration and the oracle. Prints the verdict first, then the
+    details, and the verdict again as its last line (`verdict: ...`); writes a PNG. Needs no GPU.
 
     By default: a 1T-parameter INT4 MoE served TP8 over PCIe (moe-1t-int4-tp8-pcie) on code traffic
     ramping up, a mixed surge and chat ramping down (code-chat-ramp). The dense 8B profile of earlier
@@ -226,6 +278,7 @@ def demo(profile_name: str, workload_name: str, plot_out: str, json_out: Optiona
     from . import simbench
 
     profile, workload = _load(profile_name, workload_name)
+    short, long = _profile_words(profile_name, profile)
     _quiet_engine_logs()
     chains = [n for n, c in zip(profile.config_names, profile.configs) if c[1] == 1]
     with tempfile.TemporaryDirectory(prefix="specctl-demo-") as tmp:
@@ -248,8 +301,8 @@ def demo(profile_name: str, workload_name: str, plot_out: str, json_out: Optiona
                 raise click.ClickException(f"specctl serve did not come up: {e}\n{log_path.read_text()[-2000:]}")
             finally:
                 ctx.term()
-            click.echo(f"driving a simulated engine ({profile.name}, workload {workload.name}, "
-                       f"{workload.duration_s:.0f} s) against it over ZeroMQ:\n")
+            click.echo(f"a simulated engine ({short}, workload {workload.name}) drives it over ZeroMQ "
+                       f"for {workload.duration_s:.0f} s:")
             live = _run_live(profile, workload, eps["telemetry"], eps["policy"])
         finally:
             proc.terminate()
@@ -257,7 +310,6 @@ def demo(profile_name: str, workload_name: str, plot_out: str, json_out: Optiona
                 proc.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 proc.kill()
-    click.echo("\nsame workload, same seed, on the simulator's virtual clock:")
     names = ["off"] + [f"static:{n}" for n, c in zip(profile.config_names, profile.configs) if c[0] > 0]
     operator = None
     if profile.off_index is not None:
@@ -269,17 +321,27 @@ def demo(profile_name: str, workload_name: str, plot_out: str, json_out: Optiona
     rep = simbench.run_bench(profile, workload, names, search=False)
     rep.results.insert(len(rep.results) - 1, live)
     rep.labels.insert(len(rep.labels) - 1, "adaptive over live ZeroMQ against specctl serve")
+    head, ratios = simbench.verdict_lines(rep, live.policy, operator or "off")
+    click.echo()
+    click.secho(head, bold=True)
+    if ratios:
+        click.secho(ratios, bold=True)
+    click.echo(RATIO_WORDS)
+    click.echo("\ndetails: the same workload and seed, every policy on the simulator's virtual clock "
+               "(adaptive-live: the run above)")
     click.echo(simbench.format_report(rep))
     line = simbench.verdict(rep, live.policy, operator or "off", label="specctl (live, against specctl serve)")
-    click.echo("\n" + line)
+    click.echo()
     if json_out:
         simbench.write_json(rep, json_out, {"command": "specctl demo"
                                             + (f" --profile {profile_name}" if profile_name != DEMO_PROFILE else "")
                                             + (f" --workload {workload_name}" if workload_name != DEMO_WORKLOAD else ""),
                                             "verdict": line})
+        click.echo(f"wrote {json_out}")
     try:
-        simbench.plot(rep.results, plot_out, title=f"specctl demo: workload {workload.name} on {profile.name}",
-                      subtitle=line)
-        click.echo(f"\nwrote {plot_out}")
+        simbench.plot(rep.results, plot_out, head, f"{long} · workload {workload.name}, seed {rep.seed}\n"
+                      + RATIO_WORDS, ratios=ratios, operator=operator, workload=workload)
+        click.echo(f"wrote {plot_out}")
     except RuntimeError as e:
-        click.echo(f"\n(no plot: {e})")
+        click.echo(f"(no plot: {e})")
+    click.echo(line)  # last: scripts read it

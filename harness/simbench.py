@@ -419,20 +419,48 @@ def format_report(rep: BenchReport) -> str:
     return "\n".join(lines)
 
 
+def _verdict_refs(rep: BenchReport, operator: str) -> list[tuple[str, str, SimResult]]:
+    """(key, words, result) of each reference present: the operator's policy, sglang-ema, off, the
+    best static (the best of `off` and the `static:*` rows present) and the oracle."""
+    by = {r.policy: r for r in rep.results}
+    statics = [r for r in rep.results if r.policy == "off" or r.policy.startswith("static:")]
+    best = max(statics, key=lambda r: r.tokens_per_s, default=None)
+    refs = [("operator", f"the operator's {operator}", by.get(operator)),
+            ("sglang-ema", "sglang-ema", by.get("sglang-ema")), ("off", "off", by.get("off")),
+            ("best-static", f"the best static ({best.policy})" if best else "", best),
+            ("oracle", "the oracle", by.get("oracle"))]
+    return [(k, words, r) for k, words, r in refs if r is not None and r.tokens_per_s > 0]
+
+
 def verdict(rep: BenchReport, subject: str, operator: str, label: Optional[str] = None) -> str:
     """One line: `subject`'s tokens/s as a ratio of the operator's policy, sglang-ema, off, the best
     static (the best of `off` and the `static:*` rows present) and the oracle, whichever are present;
     `label` names the subject (default: its policy name)."""
-    by = {r.policy: r for r in rep.results}
-    me = by[subject]
-    statics = [r for r in rep.results if r.policy == "off" or r.policy.startswith("static:")]
-    best = max(statics, key=lambda r: r.tokens_per_s, default=None)
-    refs = [(f"the operator's {operator}", by.get(operator)), ("sglang-ema", by.get("sglang-ema")),
-            ("off", by.get("off")), (f"the best static ({best.policy})" if best else "", best),
-            ("the oracle", by.get("oracle"))]
-    parts = [f"{me.tokens_per_s / r.tokens_per_s:.3f}x {label}" for label, r in refs
-             if r is not None and r.tokens_per_s > 0]
+    me = next(r for r in rep.results if r.policy == subject)
+    parts = [f"{me.tokens_per_s / r.tokens_per_s:.3f}x {words}" for _, words, r in _verdict_refs(rep, operator)]
     return f"verdict: {label or subject} {me.tokens_per_s:.1f} tok/s = " + ", ".join(parts)
+
+
+_READER_WORDS = {"sglang-ema": "SGLang's adaptive", "off": "off (no speculation)"}
+_READER_ORDER = ("operator", "off", "sglang-ema", "best-static", "oracle")
+
+
+def verdict_lines(rep: BenchReport, subject: str, operator: str, name: str = "specctl") -> tuple[str, str]:
+    """The verdict for a reader: the headline (`subject` against the operator's policy, or the first
+    reference present) and the other ratios on a second line."""
+    me = next(r for r in rep.results if r.policy == subject)
+    refs = sorted(_verdict_refs(rep, operator), key=lambda ref: _READER_ORDER.index(ref[0]))
+    if not refs:
+        return f"{name} {me.tokens_per_s:.1f} tok/s", ""
+    ratios: list[str] = []
+    for i, (k, words, r) in enumerate(refs):
+        if any(r is other for _, _, other in refs[:i]):
+            continue  # the best static is `off`, or the operator's policy is: said once
+        words = _READER_WORDS.get(k, words)
+        if k == "off" and any(k2 == "best-static" and r2 is r for k2, _, r2 in refs):
+            words = "off (no speculation, the best static)"
+        ratios.append(f"{me.tokens_per_s / r.tokens_per_s:.3f}x {words}")
+    return f"{name} {me.tokens_per_s:.1f} tok/s = {ratios[0]}", " · ".join(ratios[1:])
 
 
 def _config_words(cfg: str) -> str:
@@ -478,10 +506,50 @@ def write_json(rep: BenchReport, path: str | Path, extra: Optional[dict[str, Any
     Path(path).write_text(json.dumps(obj, indent=1) + "\n")
 
 
-def plot(results: Sequence[SimResult], path: str | Path, title: str = "", subtitle: str = "") -> None:
-    """Three panels over the workload's time: each policy's throughput, each policy's decisions
-    (draft steps; 0 = plain decode), and the running batch of specctl's run (the first result if
-    there is none)."""
+# colours by role; the batch's is one no policy uses (Okabe-Ito, readable with colour blindness)
+_SUBJECT_COLOUR = "black"
+_THRESHOLD_COLOUR = "#D55E00"
+_SGLANG_COLOUR = "#0072B2"
+_OFF_COLOUR = "#009E73"
+_ORACLE_COLOUR = "#9a9a9a"
+_BATCH_COLOUR = "#CC79A7"
+_PHASE_SHADE = "#ececec"
+
+
+def _binned(r: SimResult, edges: np.ndarray, values: np.ndarray, *, rate: bool) -> np.ndarray:
+    n = len(edges) - 1
+    idx = np.clip(np.searchsorted(edges, r.trace_t, side="right") - 1, 0, n - 1)
+    total = np.bincount(idx, weights=values, minlength=n)
+    if rate:
+        return total / (edges[1] - edges[0])
+    cnt = np.bincount(idx, minlength=n)
+    return np.where(cnt > 0, total / np.maximum(cnt, 1), np.nan)
+
+
+def _phase_words(phase: Phase) -> str:
+    classes = "+".join(sorted(phase.mix, key=lambda c: -phase.mix[c]))
+    load = (f"{phase.concurrency} at a time" if phase.concurrency is not None
+            else f"{phase.arrival_rate:g} req/s" if phase.arrival_rate is not None else "")
+    return f"{classes}, {load}" if load else classes
+
+
+def plot(results: Sequence[SimResult], path: str | Path, title: str = "", subtitle: str = "", *,
+         ratios: str = "", operator: Optional[str] = None, workload: Optional[Workload] = None) -> None:
+    """`figure` written to `path` as a PNG."""
+    fig = figure(results, title, subtitle, ratios=ratios, operator=operator, workload=workload)
+    import matplotlib.pyplot as plt
+
+    fig.savefig(str(path), dpi=100, bbox_inches="tight")
+    plt.close(fig)
+
+
+def figure(results: Sequence[SimResult], title: str = "", subtitle: str = "", *, ratios: str = "",
+           operator: Optional[str] = None, workload: Optional[Workload] = None) -> Any:
+    """One page a newcomer reads: `title` (the verdict) large, then `ratios` and `subtitle`; over the
+    workload's time, with its phases shaded, the throughput of specctl (its live run if there is one),
+    the operator's threshold (`operator`, else the best searched threshold), sglang-ema, off and the
+    oracle; the decisions of specctl and that threshold; the running batch of specctl's run. Beside
+    the throughput, every policy's whole-run tokens/s, ranked."""
     try:
         import matplotlib
 
@@ -491,65 +559,137 @@ def plot(results: Sequence[SimResult], path: str | Path, title: str = "", subtit
         raise RuntimeError("plotting needs matplotlib: pip install 'specctl[plot]'") from None
     if not results:
         raise ValueError("nothing to plot")
-    dur = results[0].duration_s
-    nbins = int(min(240, max(20, dur)))
+    by = {r.policy: r for r in results}
+    subject = by.get("adaptive-live") or next((r for r in results if r.policy.startswith("adaptive")), results[0])
+    threshold = by.get(operator) if operator else next(
+        (r for r in results if r.policy.startswith(("best-threshold=", "threshold:"))), None)
+    # (result, legend words, style), drawn in this order: the subject last, on top
+    lines = [(by.get("oracle"), "oracle: the best configuration every step, knowing true acceptance (a ceiling)",
+              {"color": _ORACLE_COLOUR, "lw": 1.4, "ls": "--"}),
+             (by.get("off"), "off: plain decode, never speculate", {"color": _OFF_COLOUR, "lw": 1.6}),
+             (by.get("sglang-ema"), "SGLang's adaptive (sglang-ema): --speculative-adaptive",
+              {"color": _SGLANG_COLOUR, "lw": 1.6}),
+             (threshold, (f"the operator's {describe_policy(operator)}" if threshold is not None and operator
+                          else describe_policy(threshold.policy) if threshold is not None else ""),
+              {"color": _THRESHOLD_COLOUR, "lw": 2.0}),
+             (subject, "specctl" + (" live: engine + `specctl serve` over ZeroMQ" if subject.policy == "adaptive-live"
+                                    else f" ({subject.policy})" if subject.policy.startswith("adaptive")
+                                    else f": {subject.policy}"),
+              {"color": _SUBJECT_COLOUR, "lw": 2.8})]
+    lines = [(r, words, style) for r, words, style in lines if r is not None]
+    lines = [x for i, x in enumerate(lines) if all(x[0] is not y[0] for y in lines[i + 1:])]
+
+    dur = subject.duration_s
+    nbins = int(min(240, max(20, dur / 2)))
     edges = np.linspace(0.0, dur, nbins + 1)
     mid = 0.5 * (edges[1:] + edges[:-1])
-    width = edges[1] - edges[0]
-    fig, (ax1, ax2, ax3) = plt.subplots(3, 1, figsize=(14, 9.5), sharex=True,
-                                        gridspec_kw={"height_ratios": [3, 2, 1.2]})
-    for ax in (ax1, ax2):
-        ax.set_prop_cycle(color=plt.cm.tab20.colors[::2] + plt.cm.tab20.colors[1::2])
-    for r in results:
-        idx = np.clip(np.searchsorted(edges, r.trace_t, side="right") - 1, 0, nbins - 1)
-        tok = np.bincount(idx, weights=r.trace_tokens, minlength=nbins) / width
-        steps_arr = np.array(r.config_steps)[r.trace_cfg]
-        cnt = np.bincount(idx, minlength=nbins)
-        mean_steps = np.where(cnt > 0, np.bincount(idx, weights=steps_arr, minlength=nbins) / np.maximum(cnt, 1), np.nan)
-        style = {"lw": 2.2, "color": "black", "ls": ":" if "live" in r.policy else "-"} if r.policy.startswith("adaptive") else (
-            {"lw": 1.0, "ls": "--", "color": "grey"} if r.policy == "oracle" else {"lw": 1.0})
-        ax1.plot(mid, tok, label=f"{describe_policy(r.policy)}  [{r.tokens_per_s:.0f} tok/s]", **style)
-        ax2.plot(mid, mean_steps, **style)
-    subject = next((r for r in results if r.policy == "adaptive-live"),
-                   next((r for r in results if r.policy.startswith("adaptive")), results[0]))
-    idx = np.clip(np.searchsorted(edges, subject.trace_t, side="right") - 1, 0, nbins - 1)
-    cnt = np.bincount(idx, minlength=nbins)
-    ax3.plot(mid, np.where(cnt > 0, np.bincount(idx, weights=subject.trace_bs, minlength=nbins) / np.maximum(cnt, 1),
-                           np.nan), color="tab:purple")
-    ax1.set_title("Throughput: output tokens/s of each policy, per time bin (higher is better)",
-                  fontsize=9, loc="left")
-    ax1.set_ylabel("output tokens/s")
-    ax1.legend(fontsize=7.5, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0,
-               title="policy (what it does)  [whole-run tok/s]", title_fontsize=7.5)
-    max_steps = max(max(r.config_steps) for r in results)
-    ax2.set_title("Decisions: EAGLE-3 draft steps per decode step, mean over each time bin "
-                  "(0 = plain decode, no speculation)", fontsize=9, loc="left")
-    ax2.set_ylabel("draft steps")
-    ax2.set_ylim(-0.2, max_steps + 0.2)
-    who = ("specctl's live run" if subject.policy == "adaptive-live" else
-           "specctl's run" if subject.policy.startswith("adaptive") else f"the {subject.policy} run")
-    ax3.set_title(f"Load: requests in the running batch during {who} (in a closed loop, about the same "
-                  "under every policy); the workload's phases are named at the top", fontsize=9, loc="left")
-    ax3.set_ylabel("batch size")
-    ax3.set_ylim(0, 1.4 * max(1, int(subject.trace_bs.max()) if len(subject.trace_bs) else 1))
-    ax3.set_xlabel("time into the workload (s)")
+
+    fig = plt.figure(figsize=(15, 10.5))
+    gs = fig.add_gridspec(3, 2, width_ratios=[3.3, 1], height_ratios=[3, 1.7, 1.2], hspace=0.36, wspace=0.05)
+    ax1 = fig.add_subplot(gs[0, 0])
+    ax2 = fig.add_subplot(gs[1, 0], sharex=ax1)
+    ax3 = fig.add_subplot(gs[2, 0], sharex=ax1)
+    key_ax = fig.add_subplot(gs[0, 1])
+    key_ax.axis("off")
+    rank_ax = fig.add_subplot(gs[1:, 1])
+    for ax, name in ((ax1, "throughput"), (ax2, "decisions"), (ax3, "load"), (key_ax, "key"), (rank_ax, "ranking")):
+        ax.set_label(name)
+
     ends = np.cumsum([p.duration_s for p in subject.phases])
     starts = np.concatenate([[0.0], ends[:-1]])
     for ax in (ax1, ax2, ax3):
-        for e in ends[:-1]:
-            ax.axvline(e, color="lightgrey", lw=0.8, zorder=0)
-        ax.grid(alpha=0.3)
+        for i, (s0, e) in enumerate(zip(starts, ends)):
+            if i % 2 == 0:
+                ax.axvspan(s0, e, color=_PHASE_SHADE, lw=0, zorder=0)
+        ax.grid(axis="y", alpha=0.35)
+        ax.set_xlim(0, dur)
+        ax.tick_params(labelsize=9)
+    wl_phases = {p.name: p for p in workload.phases} if workload is not None else {}
     for s0, e, ph in zip(starts, ends, subject.phases):
-        ax3.annotate(ph.name, (0.5 * (s0 + e), 1.0), xycoords=("data", "axes fraction"), xytext=(0, -2),
-                     textcoords="offset points", ha="center", va="top", fontsize=7.5, color="dimgrey")
-    fig.suptitle(title or f"{subject.workload} on {subject.profile}")
+        words = ph.name + (f"\n{_phase_words(wl_phases[ph.name])}" if ph.name in wl_phases else "")
+        ax1.annotate(words, (0.5 * (s0 + e), 1.0), xycoords=("data", "axes fraction"), xytext=(0, 4),
+                     textcoords="offset points", ha="center", va="bottom", fontsize=9.5, color="#333333")
+
+    for r, words, style in lines:
+        ax1.plot(mid, _binned(r, edges, r.trace_tokens, rate=True), label=words, **style)
+    ax1.set_title(f"Throughput: output tokens/s, mean over each {edges[1] - edges[0]:.2g} s (higher is better)",
+                  fontsize=11, loc="left", pad=34, fontweight="bold")
+    ax1.set_ylabel("output tokens/s", fontsize=10)
+    ax1.set_ylim(bottom=0)
+    plt.setp(ax1.get_xticklabels(), visible=False)
+
+    for r, words, style in lines:
+        if r is subject or r is threshold:
+            steps = np.array(r.config_steps, dtype=float)[r.trace_cfg]
+            # the threshold drawn wide beneath: where specctl decides alike, both stay visible
+            under = {**style, "lw": 5.0, "alpha": 0.55} if r is not subject else style
+            ax2.plot(mid, _binned(r, edges, steps, rate=False), **under)
+    ax2.set_title("Decisions: draft steps per decode step (0 = plain decode, no speculation)", fontsize=11,
+                  loc="left", fontweight="bold")
+    ticks = sorted({s: n for s, n in reversed(list(zip(subject.config_steps, subject.config_names)))}.items())
+    ax2.set_yticks([s for s, _ in ticks], [f"{n} ({s})" if n != str(s) else n for s, n in ticks])
+    ax2.set_ylim(-0.3, max(s for s, _ in ticks) + 0.3)
+    ax2.set_ylabel("draft steps", fontsize=10)
+    plt.setp(ax2.get_xticklabels(), visible=False)
+
+    bs = _binned(subject, edges, subject.trace_bs.astype(float), rate=False)
+    ax3.fill_between(mid, 0, bs, color=_BATCH_COLOUR, alpha=0.35, lw=0)
+    ax3.plot(mid, bs, color=_BATCH_COLOUR, lw=1.8)
+    ax3.set_title("Load: requests in the running batch (about the same under every policy)", fontsize=11,
+                  loc="left", fontweight="bold")
+    ax3.set_ylabel("batch size", fontsize=10)
+    ax3.set_ylim(0, 1.25 * max(1.0, float(np.nanmax(bs)) if np.isfinite(bs).any() else 1.0))
+    ax3.set_xlabel("time into the workload (s)", fontsize=10)
+
+    colour_of = {id(r): style["color"] for r, _, style in lines}
+    ranked = sorted(results, key=lambda r: r.tokens_per_s)
+    ypos = np.arange(len(ranked))
+    vals = np.array([r.tokens_per_s for r in ranked])
+    cols = [colour_of.get(id(r), "#555555") for r in ranked]
+    span = float(vals.max() - vals.min()) or 0.05 * float(vals.max()) or 1.0
+    lo, hi = vals.min() - 0.08 * span, vals.max() + 0.22 * span  # room for the figures beside the dots
+    rank_ax.hlines(ypos, lo, vals, color="#dddddd", lw=1.2, zorder=1)
+    rank_ax.scatter(vals, ypos, c=cols, s=[70 if r is subject else 36 for r in ranked], zorder=2)
+    digits = 1 if vals.max() < 1000 else 0  # near-equal policies differ in the first decimal
+    for y, r, v in zip(ypos, ranked, vals):
+        rank_ax.annotate(f"{v:.{digits}f}", (v, y), xytext=(6, 0), textcoords="offset points", va="center",
+                         fontsize=8.5, fontweight="bold" if r is subject else "normal")
+    names = ["specctl live" if r.policy == "adaptive-live" else
+             "specctl (virtual clock)" if r.policy == "adaptive" else r.policy for r in ranked]
+    rank_ax.set_yticks(ypos, names, fontsize=8.5)
+    for lab, r, c in zip(rank_ax.get_yticklabels(), ranked, cols):
+        lab.set_color(c if c != "#555555" else "#333333")
+        if r is subject:
+            lab.set_fontweight("bold")
+    rank_ax.yaxis.tick_right()
+    rank_ax.set_xlim(lo, hi)
+    rank_ax.set_ylim(-0.6, len(ranked) - 0.4)
+    rank_ax.tick_params(axis="x", labelsize=8)
+    rank_ax.grid(axis="x", alpha=0.35)
+    rank_ax.set_title("Whole run, every policy: output tokens/s", fontsize=11, loc="left", fontweight="bold")
+    if any(r.policy.startswith("static:") for r in results):
+        rank_ax.set_xlabel("static:sN = always N draft steps", fontsize=9)
+
+    import textwrap
+
+    handles = [plt.Line2D([], [], **style) for _, _, style in reversed(lines)]
+    handles.append(plt.matplotlib.patches.Patch(color=_BATCH_COLOUR, alpha=0.5))
+    labels = [textwrap.fill(words, 40, subsequent_indent="  ") for _, words, _ in reversed(lines)]
+    labels.append("running batch (specctl's run)")
+    key_ax.legend(handles, labels, loc="upper left", fontsize=9, frameon=False, handlelength=2.4,
+                  borderaxespad=0.0, labelspacing=0.7, bbox_to_anchor=(0.0, 1.0))
+
+    fig.text(0.5, 0.985, title or f"{subject.workload} on {subject.profile}", ha="center", va="top",
+             fontsize=16, fontweight="bold")
+    y = 0.952
+    if ratios:
+        fig.text(0.5, y, ratios, ha="center", va="top", fontsize=12.5)
+        y -= 0.028
     if subtitle:
-        fig.text(0.5, 0.945, subtitle, ha="center", va="top", fontsize=8)
-        fig.tight_layout(rect=(0, 0, 1, 0.94))
-    else:
-        fig.tight_layout()
-    fig.savefig(str(path), dpi=110, bbox_inches="tight")  # the legend sits outside the axes
-    plt.close(fig)
+        fig.text(0.5, y, subtitle, ha="center", va="top", fontsize=10, color="#444444", linespacing=1.4)
+        y -= 0.021 * (subtitle.count("\n") + 1)
+    fig.subplots_adjust(left=0.06, right=0.86, top=y - 0.075, bottom=0.06)
+    return fig
 
 
 def config_label(profile: Profile, config: Config) -> str:

@@ -79,9 +79,20 @@ def test_demo_runs_live_and_says_one_verdict_against_the_operators_threshold(tmp
     out, png = tmp_path / "d.json", tmp_path / "d.png"
     res = CliRunner().invoke(main, ["demo", "--workload", str(workload), "--plot", str(png), "--json", str(out)])
     assert res.exit_code == 0, res.output
-    verdicts = [ln for ln in res.output.splitlines() if ln.startswith("verdict:")]
-    assert len(verdicts) == 1, res.output
+    lines = res.output.splitlines()
+    verdicts = [ln for ln in lines if ln.startswith("verdict:")]
+    assert len(verdicts) == 1 and lines[-1] == verdicts[0], res.output  # the last line, for scripts
     v = verdicts[0]
+    # the verdict first: a few lines of progress (one per phase off a terminal), then the headline,
+    # the other ratios, and only then the details
+    head = next(i for i, ln in enumerate(lines) if ln.startswith("specctl ") and " tok/s = " in ln)
+    assert head <= 8, res.output
+    assert sum(ln.startswith("[") and " tok/s  policy" in ln for ln in lines[:head]) == 2  # two phases
+    for ref in ("x off (no speculation", "x SGLang's adaptive", "x the oracle"):
+        assert ref in lines[head + 1], lines[head + 1]
+    details = lines.index(next(ln for ln in lines if ln.startswith("details:")))
+    table = next(i for i, ln in enumerate(lines) if "x oracle" in ln)
+    assert head < details < table and "\x1b[" not in res.output  # plain off a terminal
     for ref in ("x the operator's threshold:5:s3", "x sglang-ema", "x off", "x the best static (", "x the oracle"):
         assert ref in v, v
     rec = json.loads(out.read_text())
@@ -93,6 +104,7 @@ def test_demo_runs_live_and_says_one_verdict_against_the_operators_threshold(tmp
     assert live > 0 and by["adaptive-live"]["num_steps"] > 20  # it did decode, paced to the wall clock
     ratio = live / by["threshold:5:s3"]["tokens_per_s"]
     assert f"{ratio:.3f}x the operator's threshold:5:s3" in v  # the line states the record's figures
+    assert lines[head] == f"specctl {live:.1f} tok/s = {ratio:.3f}x the operator's threshold:5:s3"
     assert png.read_bytes()[:4] == b"\x89PNG"
 
 
