@@ -10,7 +10,7 @@
 #   bash benchmarks/gpu/device_call.sh checks C0 C1   2 GPUs: specctl_e2e.py subcommands (identity, online,
 #        overhead; comma lists, "-" = none) on GPU 0 and GPU 1 at once -> $OUT/checks-g<N>.tgz + the JSONs
 #   bash benchmarks/gpu/device_call.sh gate [N]   exit 3 unless the last sweep2 on GPU N built the decode state in some
-#        server and no server logged it off (start an expensive call with it: a broken build costs seconds, not a call)
+#        server and no server turned it (or the catch-up) off; any other patch turned off is printed (start an expensive call with it: a broken build costs seconds, not a call)
 #   bash benchmarks/gpu/device_call.sh tdump [tensor_dump.py args]   the no-spec server and the decode state with SGLang's
 #        tensor dump, a few prompts at batch 1 -> $OUT/tensor-dump.json: the first module output where they part
 #   bash benchmarks/gpu/device_call.sh ctxprofile [ctx_profile.py measure args]   decode steps of off / s1 / s3 at
@@ -70,7 +70,7 @@ case $step in
       grep -v "Decode batch" $OUT/g$g.log | grep -E "^\[|Error|error" | tail -30
       cp $OUT/g$g/bench-*.json $OUT/bench-g$g.json 2>/dev/null; mv $OUT/g$g.log $OUT/g$g/run.log
       # what the decode state did in this sweep's servers, for a later call's `gate` (kept while the machine is warm)
-      grep -rhoE "specctl: (decode state built[^;]*|decode state OFF.*|no decode state.*|decode state step failed|draft catch-up on|draft catch-up OFF.*|no draft catch-up.*)" \
+      grep -rhoE "specctl: (decode state built[^;]*|draft catch-up on|split-KV verify kernel on|patch [a-z_.]+ off: .*)" \
         $OUT/g$g --include='*.log' | sort | uniq -c > /tmp/specctl-gate-g$g.txt
       tar czf $OUT/g$g.tgz -C $OUT g$g && rm -rf $OUT/g$g
     done ;;
@@ -102,8 +102,9 @@ case $step in
     f=/tmp/specctl-gate-g${1:-0}.txt; [ -f $f ] || { echo "GATE: no earlier sweep on this machine"; exit 3; }
     cat $f
     grep -q "decode state built" $f || { echo "GATE: no server built the decode state"; exit 3; }
-    ! grep -qE "decode state OFF|no decode state|step failed" $f || { echo "GATE: the decode state failed"; exit 3; }
-    ! grep -qE "draft catch-up OFF|no draft catch-up" $f || { echo "GATE: the draft catch-up failed"; exit 3; }
+    ! grep -qE "patch (plain_decode|plain_flashinfer) off" $f || { echo "GATE: the decode state failed"; exit 3; }
+    ! grep -qE "patch catchup off" $f || { echo "GATE: the draft catch-up failed"; exit 3; }
+    ! grep -qE "patch [a-z_.]+ off" $f || echo "GATE: warning: a patch turned itself off (above)"
     echo "GATE: ok" ;;
   *) echo "unknown step $step"; exit 2 ;;
 esac
