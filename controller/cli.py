@@ -212,7 +212,7 @@ def policy() -> None:
 
 
 @policy.command("show")
-@click.option("--json", "as_json", is_flag=True, help="Print the DESIGN.md policy JSON.")
+@click.option("--json", "as_json", is_flag=True, help="Print the policy JSON (docs/architecture.md).")
 @click.option("--state-dir", type=click.Path(exists=True, file_okay=False), help="Read the daemon's persisted policy.")
 @click.option("--endpoint", help="Ask a running daemon (its status endpoint; default: ipc in the runtime dir).")
 @click.option("--file", "file_", type=click.Path(dir_okay=False), help="Read a policy file.")

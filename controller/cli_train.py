@@ -18,7 +18,7 @@ PROGRESS_MIN_BYTES = 16 * 1024 * 1024  # smaller inputs read in a blink: no bar
 @click.command("train")
 @click.argument("inputs", nargs=-1, required=True, type=click.Path())
 @click.option("--out", "out", required=True, type=click.Path(dir_okay=False),
-              help="Policy file to write (DESIGN.md policy JSON, source \"file\").")
+              help="Policy file to write (the policy JSON of docs/architecture.md, source \"file\").")
 @click.option("--plot", type=click.Path(dir_okay=False), help="Draw the fit to this PNG (needs matplotlib).")
 @click.option("--report", "report_path", type=click.Path(dir_okay=False),
               help="Write the per-file and fit report (Markdown) here; written even when no policy is.")

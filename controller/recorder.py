@@ -4,7 +4,7 @@
     DIR/telemetry-20261129T115500Z-000006.jsonl.gz        finalised: closed, fsynced, renamed
     ...                                                   oldest finalised files deleted first
 
-One line per frame, exactly the DESIGN.md telemetry line format (`specctl train` and
+One line per frame, exactly the telemetry line format of docs/architecture.md (`specctl train` and
 `specctl replay` read the files). A file is finalised before it would exceed `rotate_bytes` on
 disk, and on `close()`; before each new file, the oldest finalised files are deleted until they
 and one full new file fit in `max_bytes`, so the directory never holds more than that. The daemon's ingest loop calls `write`, so it never

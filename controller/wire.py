@@ -1,6 +1,6 @@
 """Versioned wire records: the per-step telemetry record and the published policy.
 
-One ZeroMQ frame carries one record, UTF-8 JSON, exactly the DESIGN.md form (also the `.jsonl`
+One ZeroMQ frame carries one record, UTF-8 JSON, exactly the form of docs/architecture.md (also the `.jsonl`
 line format of recordings):
 
     frame := {"kind": "step",   "schema": 1, ...}     engine -> daemon (PUSH/PULL)

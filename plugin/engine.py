@@ -281,7 +281,7 @@ class EngineController:
     def step_record(self, *, iter: int, ts: float, batch_size: int, draft_tokens: int,
                     accepted: Optional[list[int]], step_ms: float,
                     ctx_tokens: Optional[int] = None, off_path: Optional[str] = None) -> bytes:
-        """One DESIGN.md `step` frame, exactly `wire.encode(StepRecord(...))` (wire.StepEncoder). The configuration
+        """One `step` frame (docs/architecture.md), exactly `wire.encode(StepRecord(...))` (wire.StepEncoder). The configuration
         is the runtime state that produced this result, known by its width (`states` keeps widths unique); a width
         no state has is read as the chain of `draft_tokens - 1` steps."""
         c = self._by_width.get(draft_tokens) or chain(draft_tokens - 1 if draft_tokens > 1 else 0)

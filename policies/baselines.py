@@ -364,7 +364,7 @@ class SGLangEMA:
 class Oracle:
     """Per step, the configuration with the best expected goodput b*tau(c)/t(c, b), given the TRUE
     expected tokens per request of the batch (the simulator hands them over) and the noise-free
-    step time. The envelope every controller is measured against (DESIGN.md)."""
+    step time. The envelope every controller is measured against (docs/architecture.md)."""
 
     uses_truth = True
 

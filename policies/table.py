@@ -1,7 +1,7 @@
 """The batch-size -> configuration table every policy emits and every engine rank looks up.
 
 Pure data (stdlib only): configurations are `(steps, topk, draft_tokens)` tuples; the table is
-built from the DESIGN.md policy JSON (a dict) so that the plugin and the simulator share it.
+built from the policy JSON of docs/architecture.md (a dict) so that the plugin and the simulator share it.
 Optional context bands: rows naming `min_ctx` / `max_ctx` (mean context tokens per request of the
 batch) form one gap-free table per band; rows naming neither serve any context.
 """
@@ -73,7 +73,7 @@ def mean_ctx(ctx_tokens: int, batch_size: int) -> int:
 
 
 def rows_from_obj(items: Iterable[Mapping[str, Any]], *, with_ctx: bool = True) -> tuple[Row, ...]:
-    """Rows from their DESIGN.md JSON form (`min_batch`, `max_batch` or null, `config`, and for
+    """Rows from their JSON form (docs/architecture.md) (`min_batch`, `max_batch` or null, `config`, and for
     exploring rows optionally `min_ctx` / `max_ctx`; `with_ctx` False drops those)."""
     def opt(r: Mapping[str, Any], k: str) -> Optional[int]:
         v = r.get(k) if with_ctx else None
@@ -172,7 +172,7 @@ class PolicyTable:
 
     @classmethod
     def from_policy_obj(cls, obj: Mapping[str, Any]) -> "PolicyTable":
-        """From the DESIGN.md policy JSON (already parsed into dicts)."""
+        """From the policy JSON (docs/architecture.md) (already parsed into dicts)."""
         rows, bands = split_table_obj(obj["table"])
         return cls(rows=rows, explore=rows_from_obj(obj.get("explore") or ()),
                    explore_period=int(obj.get("explore_period") or 0),

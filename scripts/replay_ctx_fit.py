@@ -8,7 +8,7 @@ predicts at two contexts, and the banded table it publishes.
 On the 2026-12-01 H200 recording (specctl's phase runs, short prompts) s3's within-batch-size slope falls from
 ~5 µs per context token at batch 1 to ~0.6-1.3 µs at batch 4-8: one cost per context token of the batch (the
 model's context term before its batch exponent) carried to batch 100 made s3 look 40 % cheaper at 48 tokens of
-context than at 192, and the bands below 128 tokens speculated up to batch 80-144 (docs/gpu-testbed.md, item 2).
+context than at 192, and the bands below 128 tokens speculated up to batch 80-144 (git history: docs/gpu-testbed.md, item 2).
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The two tables of docs/benchmarks.md "Results", from the records `specctl bench sim` wrote.
+"""The simulator tables of docs/results.md, from the records `specctl bench sim` wrote.
 
     python scripts/simtables.py            # reads benchmarks/results/sim-<profile>-<workload>.json
 

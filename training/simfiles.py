@@ -1,4 +1,4 @@
-"""The simulator's inputs: DESIGN.md cost profiles (step time per configuration and batch size) and
+"""The simulator's inputs: cost profiles (docs/architecture.md) (step time per configuration and batch size) and
 workloads (request classes, phases), parsed and checked, shipped or from files."""
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Discrete-event simulation of an SGLang-style continuous-batching decode loop with speculation.
 
-Reads the DESIGN.md cost-profile and workload files; seeded, deterministic, numpy-vectorised.
+Reads the cost-profile and workload files (docs/architecture.md); seeded, deterministic, numpy-vectorised.
 """
 
 from __future__ import annotations

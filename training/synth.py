@@ -100,7 +100,7 @@ def generate(truth: GroundTruth, *, num_steps: int, batch_sizes: Sequence[int], 
              noise_cv: float = 0.03, server: str = "synth-0", t0: float = 1_764_441_600.0,
              dwell: int = 16, ctx_per_request: Optional[Sequence[int]] = None,
              ctx_phase_steps: int = 2000) -> Iterator[dict]:
-    """Telemetry record dicts (DESIGN.md form): configurations visited round-robin, each for
+    """Telemetry record dicts (docs/architecture.md form): configurations visited round-robin, each for
     `dwell` consecutive steps at one batch size (like an engine that switches now and then).
 
     `ctx_per_request` (optional): the traffic's mean context per request, phase after phase of

@@ -2,7 +2,7 @@
 
   python3 benchmarks/gpu/acceptance_correlation.py ARCHIVE:MEMBER_SUBSTRING [...] [--json OUT]
   e.g. benchmarks/gpu/logs/2026-11-30/call6-sweep-online-overhead/g0-telemetry.tar:specctl-specctl/telemetry
-  (the archives of calls 12-29 it was run on are in git only: docs/gpu-testbed.md "Logs")
+  (the archives of calls 12-29 it was run on are in git only: `git log -- benchmarks/gpu/logs`)
 
 For every second in which one chain ran at least 20 steps at one batch size b >= 2, each batch slot is
 taken as one request (SGLang keeps a running request in its slot) and the design effect is the

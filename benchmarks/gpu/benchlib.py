@@ -284,7 +284,7 @@ def request_stats(text, min_gap_ms=1.0, cap=None, finish_gap_ms=1.5):
     that ran to the cap and were admitted in one receive pass, the share that finished in one step (`capped_frac`:
     how many ran to the cap). 2026-12-02: on a server emitting one token a step lockstep is ~1, the finishers of a
     step come back together and share a prefill; speculation's per-request accept lengths take it to ~0.02, and
-    the server runs ~20 % more prefill iterations (docs/gpu-testbed.md, item 1). None without such lines."""
+    the server runs ~20 % more prefill iterations (docs/results.md). None without such lines."""
     rows = [(float(m.group(6)), float(m.group(4)), float(m.group(5)), int(m.group(1)), int(m.group(2)), int(m.group(3)))
             for m in R_REQ_STATS.finditer(text)]
     if not rows:

@@ -22,7 +22,7 @@ PIP="$PY312 -m pip"
 PLAT=""; for p in manylinux_2_34_x86_64 manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_24_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64 manylinux1_x86_64 manylinux_2_5_x86_64; do PLAT="$PLAT --platform $p"; done
 DL="$PIP download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp $PLAT -d $W"
 
-# ---- 1. the wheels the GPU image lacks (versions: see docs/gpu-testbed.md; departures from sglang's pins
+# ---- 1. the wheels the GPU image lacks (versions: see docs/testbed.md; departures from sglang's pins
 #         are deliberate: transformers 5.12.1 + tokenizers 0.22.2, xgrammar 0.2.9, fastapi 0.135.0)
 SITE_PKGS="sglang==0.5.17 flashinfer-python==0.6.15.post1 transformers==5.12.1 tokenizers==0.22.2
   apache-tvm-ffi==0.1.11 xgrammar==0.2.9 soundfile==0.13.1 cffi==2.1.1 pycparser fastapi==0.135.0 starlette==1.10.0

@@ -473,7 +473,7 @@ def borrow_static(profiles: dict) -> dict:
     """The specctl build's speculative curves, where its calls ran none, from SGLang's static servers of the same
     calls (--borrow-static, for flashinfer: the plugin's own changes to a chain's speculative step are triton's
     split-KV kernel and, at steps 0 only, the draft-extend graphs, so on flashinfer its sN should cost what SGLang's
-    does; docs/gpu-testbed.md's J6 measures whether it does); each borrowed curve is named in `source.borrowed`.
+    does; record gpu-2026-12-06-offpath-fi-s3-phase-h100.json's J6 measured that it does); each borrowed curve is named in `source.borrowed`.
     The other builds as they are."""
     mine, theirs = profiles.get("specctl"), profiles.get("sglang")
     if not mine or not theirs:

@@ -167,7 +167,7 @@ class Daemon:
 
 
 def policy_obj(version: int, rows: list, *, source: str = "fixed", created_at: Optional[float] = None) -> dict:
-    """A policy object (DESIGN.md) for rows (min_batch, max_batch or None, steps of a chain or a (steps, topk,
+    """A policy object (docs/architecture.md) for rows (min_batch, max_batch or None, steps of a chain or a (steps, topk,
     draft_tokens) triple), its table written by the product's own PolicyTable (checked: contiguous from batch 1)."""
     from specctl.policies.table import PolicyTable, chain
 

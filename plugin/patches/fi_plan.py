@@ -1,6 +1,6 @@
 """Patch fi_plan on SGLang 0.5.17: the flashinfer plan of the TARGET_VERIFY CUDA graphs built from
 the lengths the host already holds, as 0.5.23's SGLANG_OPT_FLASHINFER_VERIFY_HOST_PLAN does, so that the verify prep
-makes none of plan()'s four blocking device-to-host reads (docs/flashinfer-spec-copies.md, fix P2: V1-V4).
+makes none of plan()'s four blocking device-to-host reads (docs/architecture.md, fix P2: V1-V4).
 
     AROUND FlashInferAttnBackend.init_forward_metadata_out_graph  at capture, after SGLang's own plan(): mark the
            verify wrappers it can serve (EAGLE verify, topk 1, fa2, page size 1, full attention, 16-bit/fp8 KV)

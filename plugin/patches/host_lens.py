@@ -4,7 +4,7 @@ Under the overlap scheduler SGLang's spec-v2 path learns each step's sequence le
 `FutureMap.resolve_seq_lens_cpu` copies them on a private stream and then `synchronize()`s, whenever an attention
 backend needs them on the host (flashinfer does: its plans read host lengths; triton does not). The scheduler
 thread therefore waits for the previous step to finish on the GPU before it prepares the next one, and the GPU
-idles while it does (docs/flashinfer-spec-copies.md, S1; fix P4). A speculative step cannot avoid that: how many
+idles while it does (docs/architecture.md, S1; fix P4). A speculative step cannot avoid that: how many
 drafts were accepted exists only on the GPU. The decode state can: every request gains exactly one token a step,
 so the lengths after a decode-state step are the lengths it planned with, plus one, known on the host when the
 step is launched; and so can a prefill, whose lengths the scheduler built on the host.

@@ -157,7 +157,7 @@ def test_plugin_threshold_servers_are_named_as_the_threshold_they_run():
 
 @pytest.mark.slow
 def test_call_d_runs_end_to_end_against_the_stand_in_and_makes_the_record(tmp_path, bench_prompts, port0):
-    """docs/gpu-testbed.md's call D on the stand-in server (benchmarks/gpu/mock): the no-spec server,
+    """the testbed's decode-state call (docs/testbed.md) on the stand-in server (benchmarks/gpu/mock): the no-spec server,
     the decode state, the trivial verify and the two resync servers; the resync servers are probed and
     retired, never swept; then offpath_results.py makes the record from its output."""
     import json

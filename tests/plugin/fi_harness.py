@@ -10,7 +10,7 @@ __init__ / init_cuda_graph_state would set are set here (they need a model runne
 flashinfer is GPU-only, so CpuPrefillWrapper stands in for BatchPrefillWithPagedKVCacheWrapper: its constructor and
 plan() (flashinfer 0.6.15.post1 prefill.py:1715-1779 and 2230-2450, the CUDA-graph fa2 path), with two kernels
 replaced by CPU references (segment_packbits; the scheduler `_cached_module.plan`, here an echo of its host
-arguments) and every device-to-host read counted (V1-V4 of docs/flashinfer-spec-copies.md).
+arguments) and every device-to-host read counted (V1-V4 of docs/architecture.md).
 """
 
 from __future__ import annotations

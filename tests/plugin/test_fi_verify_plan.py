@@ -1,4 +1,4 @@
-"""Patch fi_plan (docs/flashinfer-spec-copies.md, fix P2): the TARGET_VERIFY flashinfer plan of SGLang
+"""Patch fi_plan (docs/architecture.md, fix P2): the TARGET_VERIFY flashinfer plan of SGLang
 0.5.17 built from host values. The settings; on 0.5.23 SGLang's own opt-in; on 0.5.17 the two hooks around SGLang's
 own backend code (tests/plugin/fi_harness.py), against plan()'s result on the same batch."""
 
