@@ -113,7 +113,8 @@ def module_cycles(root: Path) -> list[list[str]]:
             graph[src].add(dst)
             parent = dst.rpartition(".")[0]
             while parent:
-                if parent in modules and parent != src:
+                # a module inside `parent` runs only once parent's __init__ has begun: no edge back to it
+                if parent in modules and parent != src and not src.startswith(parent + "."):
                     graph[src].add(parent)
                 parent = parent.rpartition(".")[0]
     cycles, state, stack = [], {}, []
