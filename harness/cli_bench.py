@@ -38,11 +38,17 @@ def _shipped(kind: str) -> str:
 
 def _quiet_engine_logs() -> None:
     # the simulated engines and the in-process service log every policy switch; in a benchmark
-    # those are figures in the table, not news
+    # those are figures in the table, not news. Restored when the command ends: a caller in the same
+    # process (tests, an embedding program) keeps its own levels
     if logging.getLogger().getEffectiveLevel() > logging.DEBUG:
-        for name in ("specctl.plugin", "specctl.service"):
-            logging.getLogger(name).setLevel(logging.ERROR)
-        logging.getLogger("matplotlib").setLevel(logging.WARNING)  # its font-cache notice on a first plot
+        quiet = {"specctl.plugin": logging.ERROR, "specctl.service": logging.ERROR,
+                 "matplotlib": logging.WARNING}  # matplotlib: its font-cache notice on a first plot
+        saved = [(logging.getLogger(n), logging.getLogger(n).level) for n in quiet]
+        for n, level in quiet.items():
+            logging.getLogger(n).setLevel(level)
+        ctx = click.get_current_context(silent=True)
+        if ctx is not None:
+            ctx.call_on_close(lambda: [lg.setLevel(lv) for lg, lv in saved])
 
 
 def _load(profile: str, workload: str):
