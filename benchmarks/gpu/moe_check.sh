@@ -1,0 +1,63 @@
+#!/bin/bash
+# The MoE testbed target's checks, THERE after the staging calls (the site, /tmp/m/base, /tmp/m/draft):
+#   bash benchmarks/gpu/moe_check.sh build                      /tmp/m/moe (build_moe.py) -> $OUT/moe.json
+#   bash benchmarks/gpu/moe_check.sh serve base:0 moe:0 base:3 moe:3   one server at a time (MODEL:STEPS; steps 0 =
+#        no speculation), MT-Bench turn 1 + HumanEval greedy through quick_accept.py -> $OUT/accept_<tag>.json
+#   bash benchmarks/gpu/moe_check.sh compare                    $OUT/moe_check.json: greedy identity of moe:0 with
+#        base:0 per prompt, accept lengths of moe:3 against base:3
+set -uo pipefail
+export PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/out} TOKENIZERS_PARALLELISM=false
+M=/tmp/m; mkdir -p $OUT
+step=$1; shift
+case $step in
+  build)
+    timeout ${MOE_TIMEOUT:-420} python3 benchmarks/gpu/build_moe.py --base $M/base --out $M/moe "$@" 2>&1 \
+      | grep -v -i -e warn -e "Loading weights" | tee $OUT/build_moe.log | tail -12
+    cp $M/moe/moe.json $OUT/ ;;
+  serve)
+    for f in $M/base/tokenizer* $M/base/chat_template.jinja $M/base/special_tokens_map.json; do [ -f "$f" ] && cp "$f" $M/draft/; done
+    for spec in "$@"; do
+      model=${spec%%:*}; S=${spec##*:}; tag=${model}_s$S; mem=0.3; env=()
+      if [ $model = moe ]; then mem=0.55; env=(SGLANG_EXTERNAL_MODEL_PACKAGE=specctl_testbed_models
+                                            PYTHONPATH=/tmp/site:$PWD/benchmarks/gpu/moe_models); fi
+      SPEC=(); [ $S != 0 ] && SPEC=(--speculative-algorithm EAGLE3 --speculative-draft-model-path $M/draft
+        --speculative-num-steps $S --speculative-eagle-topk 1 --speculative-num-draft-tokens $((S + 1)))
+      env PYTHONPATH=/tmp/site "${env[@]}" python3 -m sglang.launch_server --model-path $M/$model "${SPEC[@]}" \
+        --attention-backend ${BACKEND:-triton} --sampling-backend pytorch --grammar-backend none --mem-fraction-static $mem \
+        --mm-feature-transport cpu --port 30000 --host 127.0.0.1 --max-running-requests 64 --cuda-graph-max-bs-decode 64 \
+        --decode-log-interval 10 --disable-prefill-cuda-graph > $OUT/server_$tag.log 2>&1 &
+      P=$!
+      PYTHONPATH=/tmp/site TOKDIR=$M/base timeout ${SERVE_TIMEOUT:-300} python3 benchmarks/gpu/quick_accept.py 30000 $OUT $tag \
+        ${NEW_TOKENS:-128} 16 2>&1 | tail -3
+      python3 -c "import psutil,sys;p=psutil.Process(int(sys.argv[1]));[c.kill() for c in p.children(recursive=True)];p.kill()" $P
+      sleep 3
+      grep -E "Traceback|Error" $OUT/server_$tag.log | head -5
+      grep -E "fused_moe|Using default MoE config|moe config" -i $OUT/server_$tag.log | head -3
+    done ;;
+  compare)
+    python3 - "$OUT" <<'PY'
+import json, os, sys
+out = sys.argv[1]
+def load(tag):
+    p = os.path.join(out, f"accept_{tag}.json")
+    return json.load(open(p)) if os.path.exists(p) else None
+res = {}
+b0, m0 = load("base_s0"), load("moe_s0")
+if b0 and m0:
+    for name in b0:
+        pairs = list(zip(b0[name]["output_ids"], m0[name]["output_ids"]))
+        first = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None if len(a) == len(b) else min(len(a), len(b)))
+                 for a, b in pairs]
+        res[f"identity_{name}"] = {"identical": sum(f is None for f in first), "of": len(pairs),
+                                   "first_divergence": sorted(f for f in first if f is not None)}
+for name in ("mtbench", "humaneval"):
+    b3, m3 = load("base_s3"), load("moe_s3")
+    if b3 and m3:
+        a, b = b3[name]["accept_length"], m3[name]["accept_length"]
+        res[f"accept_{name}"] = {"base_s3": a, "moe_s3": b, "ratio": round(b / a, 4) if a else None}
+json.dump(res, open(os.path.join(out, "moe_check.json"), "w"), indent=1)
+print(json.dumps(res)[:1500])
+PY
+    ;;
+  *) echo "unknown step $step"; exit 2 ;;
+esac
