@@ -174,6 +174,20 @@ class Patch:
         return after
 
 
+class PatchObject:
+    """What a patch builds and runs (its `obj`): on and off exactly while its patch is (`self.patch`)."""
+
+    patch: Patch
+
+    @property
+    def on(self) -> bool:
+        return self.patch.on
+
+    @property
+    def off_reason(self) -> Optional[str]:
+        return self.patch.off_reason
+
+
 class _Call:
     """SGLang's original, as handed to an AROUND hook: records whether it ran and whether it raised."""
 

@@ -29,7 +29,7 @@ from types import SimpleNamespace
 from typing import Any, Callable, Optional
 
 from .. import runtime as _rt
-from ..guard import AFTER, AROUND, BEFORE, Patch
+from ..guard import AFTER, AROUND, BEFORE, Patch, PatchObject
 from .plain_decode import _attrs
 
 NAME = "catchup"
@@ -37,7 +37,7 @@ LOST = "no draft catch-up: steps 0 extends the draft every step"
 log = logging.getLogger("specctl.plugin")
 
 
-class DraftCatchup:
+class DraftCatchup(PatchObject):
     """The rings, what is pending, and the step count of one EAGLE worker's draft. `torch` is given so
     that the CPU tests can run it on CPU tensors."""
 
@@ -60,14 +60,6 @@ class DraftCatchup:
         self.extend_fn: Optional[Callable[..., Any]] = None  # SGLang's _draft_extend_for_decode, unhooked
         self.num_recorded = 0
         self.num_catchups = 0
-
-    @property
-    def on(self) -> bool:
-        return self.patch.on
-
-    @property
-    def off_reason(self) -> Optional[str]:
-        return self.patch.off_reason
 
     # ------------------------------------------------------------------ per step
 

@@ -22,7 +22,7 @@ import torch
 
 from .. import runtime as _rt
 from .. import sglang_source
-from ..guard import AROUND, Patch
+from ..guard import AROUND, Patch, PatchObject
 
 NAME = "fi_plan"
 LOST = "flashinfer verify plans keep plan()'s blocking device-to-host reads"
@@ -142,7 +142,7 @@ def _as_list(info: Any) -> Any:
         return info
 
 
-class HostPlan:
+class HostPlan(PatchObject):
     """Process-wide switch and counters. mode "on", or "check": the first `check_steps` plans are made both
     ways (the host plan, then plan() over it, whose result stands) and compared. Any fault or mismatch turns
     it off for the process, said once; every later plan is plan()'s."""
@@ -361,14 +361,6 @@ class HostPlan:
         return None
 
     # ------------------------------------------------------------------ helpers
-
-    @property
-    def on(self) -> bool:
-        return self.patch.on
-
-    @property
-    def off_reason(self) -> Optional[str]:
-        return self.patch.off_reason
 
     def say(self, msg: str, level: int = logging.INFO) -> None:
         if msg not in self._said:

@@ -31,7 +31,7 @@ from contextlib import contextmanager
 from typing import Any, Callable, Iterator, Optional
 
 from .. import runtime as _rt
-from ..guard import AFTER, AROUND, Patch
+from ..guard import AFTER, AROUND, Patch, PatchObject
 
 NAME = "plain_decode"
 LOST = "no decode state: speculation off runs SGLang's 1-token verify"
@@ -40,7 +40,7 @@ log = logging.getLogger("specctl.plugin")
 DECODE, VERIFY = "decode", "verify"  # which "off" ran: telemetry's off_path
 
 
-class PlainDecode:
+class PlainDecode(PatchObject):
     """The decode state of one EAGLE worker: its graph runner (None = eager only), its attention
     backend, and whether it is on. The per-step hooks read `on`, `pending` and `logprobs` only."""
 
@@ -67,14 +67,6 @@ class PlainDecode:
         self.num_decode_steps = 0
         self.num_graph_steps = 0
         self.num_verify_steps = 0  # steps-0 steps that ran the trivial verify (a per-step reason)
-
-    @property
-    def on(self) -> bool:
-        return self.patch.on
-
-    @property
-    def off_reason(self) -> Optional[str]:
-        return self.patch.off_reason
 
     def status(self) -> dict[str, Any]:
         return {"on": self.on, "off_reason": self.off_reason, "graph_max_bs": self.max_bs,
