@@ -97,6 +97,23 @@ def flush_cache(port):
     return False
 
 
+MOE_MODELS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "moe_models")
+
+
+def target_env(model, variant):
+    """({"env", "path"} or None, the record's model name): the MoE target (build_moe.py) is served through the
+    testbed's external model package, which SGLang 0.5.17 imports by name (SGLANG_EXTERNAL_MODEL_PACKAGE)."""
+    try:
+        cfg = json.load(open(os.path.join(model, "config.json")))
+    except (OSError, ValueError):
+        cfg = {}
+    if cfg.get("model_type") == "qwen2_moe":
+        name = (f"Qwen2-MoE of SmolLM2-135M-Instruct ({cfg.get('num_experts')} experts, "
+                f"top-{cfg.get('num_experts_per_tok')}, build_moe.py)")
+        return {"env": {"SGLANG_EXTERNAL_MODEL_PACKAGE": "specctl_testbed_models"}, "path": MOE_MODELS}, name
+    return None, "SmolLM2-135M-Instruct" + ("" if variant == "base" else f" zero-padded ({variant})")
+
+
 def start_server(model, port, args, env, logpath):
     """`python3 -m sglang.launch_server` on 127.0.0.1:port, output to logpath: {"port", "proc", "log", "t", "cmd"}."""
     cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", model, "--port", str(port)] + args
@@ -587,7 +604,8 @@ def main():
                          radix_cache=not a.no_radix_cache)
     plugin_pols = [p for p in policies if parse_policy(p)["kind"] in ("specctl", "plugin-fixed")]
     site = SC.make_site(a.specctl_site) if plugin_pols else None
-    result = {"gpu": None, "sglang": "0.5.17", "attention_backend": a.attention_backend, "model": "SmolLM2-135M-Instruct" + ("" if a.variant == "base" else f" zero-padded ({a.variant})"),
+    model_env, model_name = target_env(a.model, a.variant)
+    result = {"gpu": None, "sglang": "0.5.17", "attention_backend": a.attention_backend, "model": model_name,
               "variant": a.variant, "draft": a.draft, "new_tokens": a.new_tokens, "new_tokens_spread": a.new_tokens_spread, "prompts": "MT-Bench turn 1 + HumanEval (chat)",
               "runs": [], "phase_runs": [], "servers": {}, "identity": {}, "identity_concurrency": a.identity_c}
     try:
@@ -605,6 +623,8 @@ def main():
             json.dump(cfg, open(cp, "w"))
             args += ["--speculative-adaptive-config", cp]
         env = dict(os.environ, **env_extra)
+        if model_env:  # the MoE target: SGLang imports its model class from the testbed's external package
+            env = SC.with_pythonpath(dict(env, **model_env["env"]), model_env["path"])
         side = None
         if pol in plugin_pols:
             tag = pol.replace(":", "_")
@@ -628,6 +648,8 @@ def main():
                                      decision_log=os.path.join(sdir, "decisions-rank{rank}.txt")))
             env.update(env_extra)  # plugin-fixed: its threshold and config
             env = SC.with_pythonpath(env, site)
+        if model_env:
+            env = SC.with_pythonpath(env, model_env["path"])
         lp = os.path.join(a.out, f"{a.variant}-{pol.replace(':', '_')}.log")
         return {"policy": pol, "side": side, **start_server(a.model, port, common + args, env, lp)}
 

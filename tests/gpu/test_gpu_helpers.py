@@ -466,3 +466,18 @@ def test_closed_loop_clients_are_all_in_flight_at_once_beyond_100():
         srv.shutdown()
     assert len(out) == c and not any("error" in o for o in out)
     assert state["most"] == c
+
+
+def test_the_moe_target_is_served_through_the_external_model_package(tmp_path):
+    import run_bench as RB
+    moe, dense = tmp_path / "moe", tmp_path / "dense"
+    moe.mkdir(), dense.mkdir()
+    (moe / "config.json").write_text(json.dumps({"model_type": "qwen2_moe", "num_experts": 128,
+                                                 "num_experts_per_tok": 8}))
+    (dense / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    env, name = RB.target_env(str(moe), "moe")
+    assert env["env"] == {"SGLANG_EXTERNAL_MODEL_PACKAGE": "specctl_testbed_models"}
+    assert os.path.isdir(os.path.join(env["path"], "specctl_testbed_models"))
+    assert "128 experts, top-8" in name
+    assert RB.target_env(str(dense), "8b") == (None, "SmolLM2-135M-Instruct zero-padded (8b)")
+    assert RB.target_env(str(tmp_path / "missing"), "base") == (None, "SmolLM2-135M-Instruct")
