@@ -194,6 +194,12 @@ class SimpleTokenizer:
         words = re.findall(r"\w+|[^\w\s]", messages[-1]["content"])
         return [1, 2] + [zlib.crc32(w.encode()) % 30000 + 10 for w in words] + [3]
 
+    def encode(self, text):
+        import re
+        import zlib
+
+        return [zlib.crc32(w.encode()) % 30000 + 10 for w in re.findall(r"\w+|[^\w\s]", text)]
+
 
 def tokenizer_for(tokenizer_dir):
     """transformers' AutoTokenizer of TOKENIZER_DIR ("simple": SimpleTokenizer, for CPU tests)."""

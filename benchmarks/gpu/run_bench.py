@@ -97,6 +97,64 @@ def flush_cache(port):
     return False
 
 
+OPENLOOP_SHIM = os.path.join(os.path.dirname(os.path.abspath(__file__)), "openloop_shim")
+OPENLOOP_KEYS = ("completed", "duration", "request_throughput", "output_throughput", "total_output_tokens",
+                 "median_ttft_ms", "p90_ttft_ms", "p99_ttft_ms", "mean_ttft_ms", "median_tpot_ms", "p99_tpot_ms",
+                 "median_itl_ms", "median_e2e_latency_ms", "p99_e2e_latency_ms", "concurrency", "accept_length",
+                 "max_concurrent_requests")
+
+
+def sharegpt_file(path, items, tok, n, new_tokens, spread):
+    """N conversations in ShareGPT's layout (bench_serving's sharegpt loader): the items' prompts in turn, each
+    reply a text of exactly spread_tokens(new_tokens, spread, k) tokens under `tok` (the loader takes the output
+    length from the reply's token count; the server is asked for that many with ignore_eos)."""
+    word = " the"
+    rows = []
+    for k in range(n):
+        want = B.spread_tokens(new_tokens, spread, k)
+        m = want
+        for _ in range(6):  # the loader counts tok.encode(reply), special tokens included
+            got = len(tok.encode(word * m))
+            if got == want:
+                break
+            m = max(1, m + want - got)
+        rows.append({"id": f"{items[k % len(items)].get('id', k)}-{k}",
+                     "conversations": [{"from": "human", "value": items[k % len(items)]["text"]},
+                                       {"from": "gpt", "value": word * m}]})
+    with open(path, "w") as f:
+        json.dump(rows, f)
+    return path
+
+
+def bench_serving_cmd(python, port, model, tokenizer, dataset, rate, n, out_file, seed=1):
+    """SGLang's own open-loop client against one server (Poisson arrivals at `rate`, the same `seed` for every
+    server: the same prompts in the same order at the same arrival times)."""
+    return [python, "-m", "sglang.bench_serving", "--backend", "sglang", "--host", "127.0.0.1", "--port", str(port),
+            "--model", model, "--tokenizer", tokenizer, "--dataset-name", "sharegpt", "--dataset-path", dataset,
+            "--apply-chat-template", "--num-prompts", str(n), "--request-rate", str(rate), "--seed", str(seed),
+            "--ready-check-timeout-sec", "0", "--disable-tqdm", "--output-file", out_file]
+
+
+def open_loop_summary(rows):
+    """Per (policy, rate): the median run's figures (by output throughput) and every run's throughput and TTFT."""
+    out = {}
+    for r in rows:
+        out.setdefault((r["policy"], r["rate"]), []).append(r)
+    summary = []
+    for (pol, rate), rs in sorted(out.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+        ok = [r for r in rs if r.get("output_throughput") is not None]
+        if not ok:
+            summary.append({"policy": pol, "rate": rate, "runs": len(rs), "error": rs[-1].get("error")})
+            continue
+        med = sorted(ok, key=lambda r: r["output_throughput"])[(len(ok) - 1) // 2]
+        summary.append({"policy": pol, "rate": rate, "runs": len(ok),
+                        **{k: med.get(k) for k in OPENLOOP_KEYS},
+                        "median_ttft_ms_median": B.pct([r["median_ttft_ms"] for r in ok], 0.5),
+                        "repeats_output_throughput": [r["output_throughput"] for r in ok],
+                        "repeats_median_ttft_ms": [r["median_ttft_ms"] for r in ok]})
+    return summary
+
+
 MOE_MODELS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "moe_models")
 
 
@@ -577,6 +635,16 @@ def main():
     ap.add_argument("--request-stats", action="store_true",
                     help="every server logs each finished request's queue time (SGLang's ReqTimeStats); the bench "
                          "JSON summarises it per server (`request_stats`): how arrivals cluster, how long they wait")
+    ap.add_argument("--open-loop", default="",
+                    help="request rates (req/s, comma list): after the levels, SGLang's own client (python -m "
+                         "sglang.bench_serving --backend sglang: Poisson arrivals, the MT-Bench/HumanEval prompts as a "
+                         "ShareGPT file, caps as the levels') runs every rate against every server, --repeats rounds, "
+                         "the servers' order rotated each round; rows in the record's `open_loop`")
+    ap.add_argument("--open-loop-s", type=float, default=30.0,
+                    help="seconds of arrivals per open-loop run: num_prompts = rate x this")
+    ap.add_argument("--bench-python", default=sys.executable, help="the python that runs sglang.bench_serving")
+    ap.add_argument("--bench-pythonpath", default=None,
+                    help="the client's PYTHONPATH (default: this process's; the datasets stand-in is put first)")
     ap.add_argument("--port0", type=int, default=31000)
     a = ap.parse_args()
     for spec in (x for x in a.profile.split(",") if x):
@@ -614,6 +682,12 @@ def main():
     except Exception:
         pass
     todo = list(enumerate(policies))
+    rates = [float(x) for x in a.open_loop.split(",") if x]
+    if rates and not a.interleave:
+        ap.error("--open-loop runs with --interleave (the servers take turns at each rate)")
+    openloop_data = (sharegpt_file(os.path.join(a.out, "openloop-sharegpt.json"), mixed, tok,
+                                   int(max(rates) * a.open_loop_s) + 8, a.new_tokens, a.new_tokens_spread)
+                     if rates else None)
 
     def launch(k, pol):
         port = a.port0 + 10 * k
@@ -773,6 +847,42 @@ def main():
         result["phase_runs"].append(row)
         log(f"{pol} phase: {row['output_tokens_per_s']} tok/s, tpot med {row['median_tpot_ms']} ms, switches {len(sw)}")
 
+    def open_loop(sv, rate, rep):
+        """One bench_serving run of `rate` against this server: a row of result["open_loop"]."""
+        n = max(8, int(round(rate * a.open_loop_s)))
+        out_file = os.path.join(a.out, f"openloop-{sv['policy'].replace(':', '_')}-r{rate}-{rep}.jsonl")
+        env = dict(os.environ)
+        if a.bench_pythonpath is not None:
+            env["PYTHONPATH"] = a.bench_pythonpath
+        env = SC.with_pythonpath(env, OPENLOOP_SHIM)
+        cmd = bench_serving_cmd(a.bench_python, sv["port"], a.model, a.tokenizer or a.model, openloop_data, rate, n,
+                                out_file)
+        t0 = time.time()
+        row = {"policy": sv["policy"], "rate": rate, "rep": rep, "num_prompts": n, "t_start": round(t0 - T0, 1)}
+        try:
+            p = subprocess.run(cmd, env=env, capture_output=True, text=True,
+                               timeout=max(30.0, min(deadline - time.time(), 4 * a.open_loop_s + 120)))
+            with open(out_file) as f:
+                row.update({k: v for k, v in json.loads(f.read().splitlines()[-1]).items() if k in OPENLOOP_KEYS})
+            if p.returncode:
+                row["error"] = f"bench_serving exited {p.returncode}: {p.stderr[-400:]}"
+        except (OSError, ValueError, IndexError, subprocess.TimeoutExpired) as e:
+            row["error"] = f"{type(e).__name__}: {e}"[:600]
+        result.setdefault("open_loop_runs", []).append(row)
+        log(f"{sv['policy']} open loop {rate} req/s: {row.get('output_throughput')} tok/s, "
+            f"ttft med {row.get('median_ttft_ms')} ms, tpot med {row.get('median_tpot_ms')} ms"
+            + (f", {row['error'][:200]}" if "error" in row else ""))
+
+    def open_loop_rounds(live):
+        for rep in range(a.repeats):
+            for i, rate in enumerate(rates):
+                if time.time() > measure_end - a.open_loop_s - 30:
+                    log("deadline: stop open loop")
+                    return
+                k = (rep * len(rates) + i) % max(1, len(live))
+                for sv in live[k:] + live[:k]:
+                    open_loop(sv, rate, rep)
+
     def retire(sv):
         if sv.get("retired"):
             return
@@ -856,6 +966,8 @@ def main():
                     for c in levels:
                         if reps[(sv["policy"], c)]:
                             add_row(sv["policy"], c, reps[(sv["policy"], c)])
+                if rates:
+                    open_loop_rounds(live)
                 if not a.phase_first:
                     phase_rounds(live)
                 profiles_of(live)
@@ -874,6 +986,8 @@ def main():
         finally:
             for sv in live:
                 retire(sv)
+    if result.get("open_loop_runs"):
+        result["open_loop"] = open_loop_summary(result["open_loop_runs"])
     from benchlib import paired_ratios
     by_pol = {}
     for x in result["phase_runs"]:

@@ -26,6 +26,10 @@ threading.Thread(target=logger, daemon=True).start()
 class H(BaseHTTPRequestHandler):
     def log_message(self, *a): pass
     def do_GET(self):
+        if self.path == "/server_info":  # what sglang.bench_serving reads after a run
+            o = json.dumps({"internal_states": [{"avg_spec_accept_length": 1 + steps * 0.5 if spec else None}]}).encode()
+            self.send_response(200); self.send_header("Content-Type", "application/json"); self.end_headers(); self.wfile.write(o)
+            return
         self.send_response(200); self.end_headers(); self.wfile.write(b"ok")
     def do_POST(self):
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
@@ -50,6 +54,8 @@ class H(BaseHTTPRequestHandler):
                 json.dump({"traceEvents": ev}, f)
             self.send_response(200); self.end_headers(); self.wfile.write(b"Start profiling.\n")
             return
+        if "input_ids" not in body:  # a text prompt (sglang.bench_serving): one id per character
+            body["input_ids"] = [ord(ch) % 1000 for ch in body.get("text", "")]
         new = body["sampling_params"]["max_new_tokens"]; ids = [sum(body["input_ids"]) % 1000 + i for i in range(new)]
         with lock: state["running"] += 1; state["tokens"] += len(body["input_ids"])
         vct = new if not spec else int(new / (1 + steps * 0.5)) + 1
