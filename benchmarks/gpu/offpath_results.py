@@ -504,6 +504,16 @@ def write_profiles(benches: list[dict], out_dir: str, name: str, calls: list[str
     return written
 
 
+def moe_section(moe: dict, check: dict | None) -> dict:
+    """The MoE record's own parts: the target (its dims and sizes, as build_moe.py wrote them), the measured
+    experts-touched curves beside uniform routing and DeepSeek-V3 / Kimi-K2, and the target's checks."""
+    out = {"moe_target": {k: v for k, v in moe.items() if k != "experts_touched"},
+           "experts_touched": moe.get("experts_touched")}
+    if check is not None:
+        out["moe_check"] = check
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("out")
@@ -519,9 +529,15 @@ def main() -> None:
                     help="profile names: NAME-<attention backend>-<build>")
     ap.add_argument("--borrow-static", action="store_true",
                     help="the specctl profile's sN curves from static:sN where the calls ran no plugin sN")
+    ap.add_argument("--moe", default=None,
+                    help="the MoE target's moe.json (build_moe.py): its dims and experts_touched curves go in the record")
+    ap.add_argument("--moe-check", default=None,
+                    help="moe_check.sh's moe_check.json: greedy identity with the dense base, accept lengths")
     a = ap.parse_args()
     benches = [json.load(open(f)) for f in a.bench]
     rec = build(benches, a.call, a.logs)
+    if a.moe:
+        rec.update(moe_section(json.load(open(a.moe)), json.load(open(a.moe_check)) if a.moe_check else None))
     if a.tdump:
         rec["tensor_dump"] = [tdump_summary(p) for p in a.tdump]
     if a.profiles:

@@ -697,3 +697,12 @@ def test_throughput_rows_mark_the_servers_profiled_before_they_measured():
     assert [(r["call"], r["policy"], r["profiled_before"]) for r in rows] == [
         (1, "off", True), (1, "plugin-fixed:1:s3", False), (2, "off", False), (2, "plugin-fixed:1:s3", False)]
     assert rows[0]["rounds"] == [2700.0]
+
+
+def test_moe_section_carries_the_targets_curves_and_checks():
+    moe = {"experts": 128, "top_k": 8, "bytes": 20.5e9, "experts_touched": {"no_spec": {"1": 8.0, "128": 110.2}}}
+    sec = O.moe_section(moe, {"identity_mtbench": {"identical": 16, "of": 16}})
+    assert sec["moe_target"] == {"experts": 128, "top_k": 8, "bytes": 20.5e9}
+    assert sec["experts_touched"]["no_spec"]["128"] == 110.2
+    assert sec["moe_check"]["identity_mtbench"]["identical"] == 16
+    assert "moe_check" not in O.moe_section(moe, None)
