@@ -277,8 +277,8 @@ def demo(profile_name: str, workload_name: str, plot_out: str, json_out: Optiona
     speculation off, every static configuration and the oracle. Prints the verdict first, then the
     details, and the verdict again as its last line (`verdict: ...`); writes a PNG. Needs no GPU.
 
-    By default: a 1T-parameter INT4 MoE served TP8 over PCIe (moe-1t-int4-tp8-pcie) on code traffic
-    ramping up, a mixed surge and chat ramping down (code-chat-ramp). The dense 8B profile of earlier
+    By default: a synthetic (modelled, not measured) 1T-parameter INT4 MoE served TP8 over PCIe
+    (moe-1t-int4-tp8-pcie) on code traffic ramping up, a mixed surge and chat ramping down (code-chat-ramp). The dense 8B profile of earlier
     demos: --profile dense-8b-h200 --workload demo."""
     from ..controller.daemon import wait_for_status
     from . import simbench
