@@ -44,19 +44,19 @@ if [ ! -f $SLIM ]; then
 fi
 
 # ---- 2b. FA3 (--attention-backend fa3, SGLang's default on Hopper): sglang-kernel's flash_ops with its sm90 cubins
-#          only (fatbin_prune.py: 1.12 GB with sm80/86/90, the sm80/86 entries zeroed), xz, parts -> fa3.txz.partNN
-#          (carried over warm calls of their own; install_bundle.sh puts it into the site). WITH_FA3=0 skips it.
-FA3=$B/cache/flash_ops-0.4.5-sm90.txz
+#          only (fatbin_prune.py: 1.12 GB with sm80/86/90, the sm80/86 entries zeroed), xz (118 MB), parts ->
+#          fa3.so.xz.partNN (carried over warm calls of their own; install_bundle.sh puts it into the site and checks
+#          it). WITH_FA3=0 skips it.
+FA3=$B/cache/flash_ops-0.4.5-sm90.so.xz
 if [ "${WITH_FA3:-1}" = 1 ]; then
   if [ ! -f $FA3 ]; then
     K=$(mktemp -d); mkdir -p $B/cache
     $PIP download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp $PLAT -d $K sglang-kernel==0.4.5
     (cd $K && unzip -q sglang_kernel-0.4.5-*.whl 'sgl_kernel/flash_ops.abi3.so' -d full) || exit 1
-    mkdir -p $K/slim/sgl_kernel
-    $PY312 benchmarks/gpu/fatbin_prune.py $K/full/sgl_kernel/flash_ops.abi3.so $K/slim/sgl_kernel/flash_ops.abi3.so --keep-arch 90 || exit 1
-    tar -I 'xz -9 -T0' -cf $FA3.tmp -C $K/slim sgl_kernel/flash_ops.abi3.so && mv $FA3.tmp $FA3; rm -rf $K
+    $PY312 benchmarks/gpu/fatbin_prune.py $K/full/sgl_kernel/flash_ops.abi3.so $K/flash_ops.sm90.so --keep-arch 90 || exit 1
+    xz -9 -T0 -c $K/flash_ops.sm90.so > $FA3.tmp && mv $FA3.tmp $FA3; rm -rf $K
   fi
-  rm -f $B/fa3.txz.part*; split -b ${PART_MB}M -d -a 2 $FA3 $B/fa3.txz.part
+  rm -f $B/fa3.so.xz.part*; split -b ${PART_MB}M -d -a 2 $FA3 $B/fa3.so.xz.part
 fi
 
 # ---- 3. the overlay: pip --target, no deps, no bytecode; xz; split

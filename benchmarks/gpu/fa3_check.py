@@ -1,4 +1,4 @@
-"""THERE, after install_bundle.sh put fa3.txz (sglang-kernel's flash_ops, sm90 cubins only) into the site:
+"""THERE, after install_bundle.sh put fa3.so.xz (sglang-kernel's flash_ops, sm90 cubins only) into the site:
     PYTHONPATH=/tmp/site python3 benchmarks/gpu/fa3_check.py OUT.json
 FA3 through SGLang's own entry point (sgl_kernel.flash_attn.flash_attn_with_kvcache, as its fa3 backend calls it)
 against torch's attention on the testbed's shape (head dim 64, 9 query / 3 KV heads, bf16): a paged decode (one

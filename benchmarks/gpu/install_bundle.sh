@@ -6,7 +6,7 @@
 #    artifacts may arrive over several warm calls (the GGUF needs two: a call carries <= 64 MiB)
 # 2. installs what is complete and not yet installed: site.txz -> SITE (the overlay; use PYTHONPATH=SITE),
 #    deepgemm.tgz -> SITE, jitcache.tgz -> / (tvm-ffi + Triton caches), aux.tgz -> STASH/aux
-#    (gguf wheel, prompts), gguf -> STASH/SmolLM2-135M-Instruct.Q4_1.gguf, fa3.txz -> SITE/sgl_kernel (FA3, checked)
+#    (gguf wheel, prompts), gguf -> STASH/SmolLM2-135M-Instruct.Q4_1.gguf, fa3.so.xz -> SITE/sgl_kernel (FA3, checked)
 # 3. once SITE is installed: proves `import sglang.srt.entrypoints.http_server` (+ the EAGLE-3 modules) and
 #    runs one sglang-kernel CUDA kernel (rmsnorm, against a torch reference); writes $OUT/bundle_check.json
 # Exit 0 when nothing is corrupt and (if SITE is installed) the checks passed; 3 when the site is missing.
@@ -26,11 +26,13 @@ if ok site.txz && [ ! -f "$SITE/.installed" ]; then
     && echo "installed site into $SITE ($(du -sh "$SITE" | cut -f1))"
 fi
 if ok deepgemm.tgz && [ -f "$SITE/.installed" ] && [ ! -f "$SITE/.deepgemm" ]; then tar xzf "$STASH/deepgemm.tgz" -C "$SITE" && touch "$SITE/.deepgemm"; fi
-# FA3 (fa3.txz: sglang-kernel's flash_ops, sm90 cubins only; carried in parts over warm calls): into the site, checked
-# against torch's attention on one small case before a server may use it ($OUT/fa3_check.json)
-if ok fa3.txz && [ -f "$SITE/.installed" ] && [ ! -f "$SITE/.fa3" ]; then
-  tar xJf "$STASH/fa3.txz" -C "$SITE" && PYTHONPATH=$SITE timeout 120 python3 "$HERE/fa3_check.py" "$OUT/fa3_check.json" \
-    && touch "$SITE/.fa3" && echo "installed FA3 flash_ops into $SITE"
+# FA3 (fa3.so.xz: sglang-kernel's flash_ops, sm90 cubins only; carried in parts over warm calls): into the site,
+# checked against torch's attention before a server may use it ($OUT/fa3_check.json; a failed check removes it)
+if ok fa3.so.xz && [ -f "$SITE/.installed" ] && [ ! -f "$SITE/.fa3" ]; then
+  xz -dc "$STASH/fa3.so.xz" > "$SITE/sgl_kernel/flash_ops.abi3.so" \
+    && PYTHONPATH=$SITE timeout 120 python3 "$HERE/fa3_check.py" "$OUT/fa3_check.json" \
+    && touch "$SITE/.fa3" && echo "installed FA3 flash_ops into $SITE" \
+    || { rm -f "$SITE/sgl_kernel/flash_ops.abi3.so"; echo "FA3: not installed (see $OUT/fa3_check.json)"; }
 fi
 if ok jitcache.tgz && [ ! -f "$STASH/.jit_restored" ]; then tar xzf "$STASH/jitcache.tgz" -C / 2>/dev/null && touch "$STASH/.jit_restored" && echo "restored JIT cache"; fi
 # the same cache recompressed (plugin_smoke.sh pack: bundle/smoke/jitcache.txz, 1.3 MB instead of 3.8): carried
