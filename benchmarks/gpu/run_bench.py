@@ -617,8 +617,9 @@ def main():
     ap.add_argument("--results", default=None, help="also write the results JSON here")
     ap.add_argument("--parallel", type=int, default=3)
     ap.add_argument("--mem-fraction", type=float, default=0.0, help="per server; 0 = 0.8/parallel")
-    ap.add_argument("--attention-backend", default="triton", choices=("triton", "flashinfer"),
-                    help="every server's attention backend (the decode state runs on triton only)")
+    ap.add_argument("--attention-backend", default="triton", choices=("triton", "flashinfer", "fa3"),
+                    help="every server's attention backend (fa3, SGLang's default on Hopper, needs the bundle's "
+                         "fa3.so.xz installed; the decode state runs on triton and flashinfer)")
     ap.add_argument("--max-total-tokens", type=int, default=0,
                     help="cap each server's KV pool (tokens): with it, servers started at once on one GPU can all "
                          "use a high --mem-fraction (SGLang checks the fraction against the memory free at its "
