@@ -138,6 +138,9 @@ def main():
     ap.add_argument("--seed", type=int, default=7)
     ap.add_argument("--prompts", default="/tmp/specctl-stash/aux/prompts", help="MT-Bench + HumanEval (curve)")
     ap.add_argument("--draws", type=int, default=20)
+    ap.add_argument("--curve-only", action="store_true",
+                    help="write OUT/moe.json (dims, sizes, the experts-touched curves) and no checkpoint: the curve "
+                         "needs only the base's forward, which a CPU runs in minutes")
     a = ap.parse_args()
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     from safetensors.torch import load_file
@@ -148,14 +151,17 @@ def main():
     rts = routers(cfg["num_hidden_layers"], a.experts, cfg["hidden_size"], a.seed, dev)
     os.makedirs(a.out, exist_ok=True)
     t = time.time()
-    params = write_sharded(a.out, moe_tensors(sd, mcfg, rts))
-    json.dump(mcfg, open(os.path.join(a.out, "config.json"), "w"), indent=1)
-    for f in os.listdir(a.base):
-        if f.startswith(("tokenizer", "special_tokens", "generation_config", "chat_template")):
-            with open(os.path.join(a.base, f), "rb") as src, open(os.path.join(a.out, f), "wb") as dst:
-                dst.write(src.read())
+    if a.curve_only:
+        params = sum(v.numel() for _name, v in moe_tensors(sd, mcfg, rts))  # the tensors are the base's, not copies
+    else:
+        params = write_sharded(a.out, moe_tensors(sd, mcfg, rts))
+        json.dump(mcfg, open(os.path.join(a.out, "config.json"), "w"), indent=1)
+        for f in os.listdir(a.base):
+            if f.startswith(("tokenizer", "special_tokens", "generation_config", "chat_template")):
+                with open(os.path.join(a.base, f), "rb") as src, open(os.path.join(a.out, f), "wb") as dst:
+                    dst.write(src.read())
     per_expert = 3 * cfg["hidden_size"] * cfg["intermediate_size"]
-    summ = {"path": a.out, "experts": a.experts, "top_k": a.top_k, "layers": cfg["num_hidden_layers"],
+    summ = {"path": None if a.curve_only else a.out, "experts": a.experts, "top_k": a.top_k, "layers": cfg["num_hidden_layers"],
             "moe_intermediate": cfg["intermediate_size"], "params": params,
             "expert_params": per_expert * a.experts * cfg["num_hidden_layers"],
             "active_expert_params_per_token": per_expert * a.top_k * cfg["num_hidden_layers"],
