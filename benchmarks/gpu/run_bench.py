@@ -722,9 +722,7 @@ def main():
             env.update(SC.plugin_env(mode=mode, rundir=rundir, server_id=f"{a.variant}-{tag}",
                                      decision_log=os.path.join(sdir, "decisions-rank{rank}.txt")))
             env.update(env_extra)  # plugin-fixed: its threshold and config
-            env = SC.with_pythonpath(env, site)
-        if model_env:
-            env = SC.with_pythonpath(env, model_env["path"])
+            env = SC.with_pythonpath(env, site)  # keeps the model package's path
         lp = os.path.join(a.out, f"{a.variant}-{pol.replace(':', '_')}.log")
         return {"policy": pol, "side": side, **start_server(a.model, port, common + args, env, lp)}
 
@@ -849,7 +847,7 @@ def main():
         log(f"{pol} phase: {row['output_tokens_per_s']} tok/s, tpot med {row['median_tpot_ms']} ms, switches {len(sw)}")
 
     def open_loop(sv, rate, rep):
-        """One bench_serving run of `rate` against this server: a row of result["open_loop"]."""
+        """One bench_serving run of `rate` against this server: a row of result["open_loop_runs"]."""
         n = max(8, int(round(rate * a.open_loop_s)))
         out_file = os.path.join(a.out, f"openloop-{sv['policy'].replace(':', '_')}-r{rate}-{rep}.jsonl")
         env = dict(os.environ)
