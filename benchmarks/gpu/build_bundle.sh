@@ -57,6 +57,10 @@ if [ "${WITH_FA3:-1}" = 1 ]; then
     xz -9 -T0 -c $K/flash_ops.sm90.so > $FA3.tmp && mv $FA3.tmp $FA3; rm -rf $K
   fi
   rm -f $B/fa3.so.xz.part*; split -b ${PART_MB}M -d -a 2 $FA3 $B/fa3.so.xz.part
+  # fa3_probe.sh's package (a few KB): sgl_kernel's own flash_attn.py + debug_utils.py, an __init__ that imports torch
+  K=$(mktemp -d); mkdir -p $K/sgl_kernel; tar xzf $SLIM -C $K sgl_kernel/flash_attn.py sgl_kernel/debug_utils.py
+  echo "import torch  # noqa: F401  (fa3_probe.sh: flash_ops alone, without sgl_kernel's other extensions)" > $K/sgl_kernel/__init__.py
+  tar czf $B/fa3probe.tgz -C $K sgl_kernel; rm -rf $K
 fi
 
 # ---- 3. the overlay: pip --target, no deps, no bytecode; xz; split
