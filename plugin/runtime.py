@@ -294,8 +294,8 @@ class PluginRuntime:
         if not p.on:
             agree(False)  # the ranks agree all the same: every rank takes part in the same collective
             return
-        plain_decode.build(worker, agree=agree, backends=plain_decode.backends(self.settings.plain_decode_flashinfer),
-                           patch=p, logprobs=self.settings.plain_decode_logprobs)
+        kinds = plain_decode.backends(self.settings.plain_decode_flashinfer, self.settings.plain_decode_fa3)
+        plain_decode.build(worker, agree=agree, backends=kinds, patch=p, logprobs=self.settings.plain_decode_logprobs)
 
     def build_catchup(self, worker: Any) -> None:
         """AFTER init_cuda_graphs (every TP rank): the draft catch-up. Nothing collective: every rank reaches the

@@ -40,6 +40,7 @@ OPERATOR_TABLE = """\
 |---|---|---|---|
 | `plain_decode` | `on` | `on`, `off` | speculation off runs as a decode forward with its own CUDA graphs, not SGLang's 1-token verify; on since its GPU checks matched the no-spec server |
 | `plain_flashinfer` | `on` | `on`, `off` | the decode state on the flashinfer backend too (triton always); on since its greedy outputs matched the no-spec flashinfer server |
+| `plain_fa3` | `off` | `on`, `off` | the decode state on the fa3 backend too (SGLang's default on Hopper); off until a GPU run compares its greedy outputs with the no-spec fa3 server's |
 | `plain_logprobs` | `off` | `on`, `off` | steps with log-probability requests run the decode state too; off until a GPU run compares them with the no-spec server's |
 | `splitkv` | `on` | `on`, `off` | SGLang's split-KV verify kernel for topk-1 chains on CUDA (SGLang gates it to AMD); on since it matched the extend kernel and was faster |
 | `draft_graphs` | `on` | `on`, `off` | each chain state's draft-extend CUDA graph at its own width (SGLang 0.5.17 captures the launch width, so small states extend eagerly) |
@@ -54,7 +55,8 @@ are patches too, always on where they apply; `SPECCTL_PATCHES` does not switch t
 
 # SPECCTL_PATCHES: name -> (kind, default); `switch`: on/off, `check`: off/on/check/check:N, `steps`: off/on/N
 PATCHES: dict[str, tuple[str, str]] = {
-    "plain_decode": ("switch", "on"), "plain_flashinfer": ("switch", "on"), "plain_logprobs": ("switch", "off"),
+    "plain_decode": ("switch", "on"), "plain_flashinfer": ("switch", "on"), "plain_fa3": ("switch", "off"),
+    "plain_logprobs": ("switch", "off"),
     "splitkv": ("switch", "on"), "draft_graphs": ("switch", "on"), "spec_alloc": ("switch", "on"),
     "fi_plan": ("check", "off"), "host_lens": ("check", "check"), "catchup": ("steps", "off"),
 }
@@ -99,6 +101,7 @@ class PluginSettings:
     draft_extend_graphs: bool = True
     spec_alloc_list: bool = True
     plain_decode_flashinfer: bool = True
+    plain_decode_fa3: bool = False
     plain_decode_logprobs: bool = False
     fi_verify_host_plan: str = "off"
     fi_verify_check_steps: int = CHECK_STEPS
@@ -139,6 +142,7 @@ class PluginSettings:
 
         onoff = {True: "on", False: "off"}
         return {"plain_decode": onoff[self.plain_decode], "plain_flashinfer": onoff[self.plain_decode_flashinfer],
+                "plain_fa3": onoff[self.plain_decode_fa3],
                 "plain_logprobs": onoff[self.plain_decode_logprobs], "splitkv": onoff[self.splitkv_verify],
                 "draft_graphs": onoff[self.draft_extend_graphs], "spec_alloc": onoff[self.spec_alloc_list],
                 "fi_plan": check(self.fi_verify_host_plan, self.fi_verify_check_steps),
@@ -218,6 +222,7 @@ def parse_patches(value: Optional[str]) -> dict[str, Any]:
     vals = {name: given.get(name, default) for name, (_, default) in PATCHES.items()}
     kw: dict[str, Any] = {}
     for name, field_ in (("plain_decode", "plain_decode"), ("plain_flashinfer", "plain_decode_flashinfer"),
+                         ("plain_fa3", "plain_decode_fa3"),
                          ("plain_logprobs", "plain_decode_logprobs"), ("splitkv", "splitkv_verify"),
                          ("draft_graphs", "draft_extend_graphs"), ("spec_alloc", "spec_alloc_list")):
         if vals[name] not in SWITCH_ON + SWITCH_OFF:

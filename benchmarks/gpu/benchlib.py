@@ -26,6 +26,7 @@ STOCK_VERIFY = "+stockverify"  # plugin policy suffix: splitkv=off (SGLang's ext
 LOGPROBS = "+lp"  # plugin policy suffix: plain_logprobs=on (logprob steps in the decode state too)
 FLASHINFER = "+fi"  # plugin policy suffix: plain_flashinfer=on (the decode state on flashinfer too; the default)
 NO_FLASHINFER = "+nofi"  # plugin policy suffix: plain_flashinfer=off (flashinfer's trivial verify: the control)
+FA3_PLAIN = "+fa3plain"  # plugin policy suffix: plain_fa3=on (the decode state on fa3; off: SGLang's steps-0 there)
 FI_HOST_PLAN = "+fihost"  # plugin policy suffix: fi_plan=check (flashinfer's verify plan from host values, compared
 #                           with plan()'s for its first 32 plans; a mismatch logs and turns it off)
 HOST_LENS = "+hostlens"  # plugin policy suffix: host_lens=check (a step after a decode-state step or a prefill takes its
@@ -47,6 +48,7 @@ PLUGIN_SWITCHES = {
     FLASHINFER: ("plain_decode_flashinfer", True, "plain_flashinfer", "on", "it builds its decode state on flashinfer"),
     FI_HOST_PLAN: ("fi_verify_host_plan", True, "fi_plan", "check", "it plans flashinfer's verify from host values"),
     HOST_LENS: ("host_seq_lens", True, "host_lens", "check", "it keeps the decode state's sequence lengths on the host"),
+    FA3_PLAIN: ("plain_decode_fa3", True, "plain_fa3", "on", "it builds its decode state on fa3"),
     NO_FLASHINFER: ("plain_decode_flashinfer", False, "plain_flashinfer", "off",
                     "it builds its decode state on flashinfer unless told not to"),
     NO_HOST_LENS: ("host_seq_lens", False, "host_lens", "off",

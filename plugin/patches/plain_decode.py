@@ -123,12 +123,22 @@ def unsupported_reason(worker: Any) -> Optional[str]:
     return None
 
 
-TRITON, FLASHINFER = "TritonAttnBackend", "FlashInferAttnBackend"
+TRITON, FLASHINFER, FA3 = "TritonAttnBackend", "FlashInferAttnBackend", "FlashAttentionBackend"
+SWITCH = {FLASHINFER: "plain_flashinfer", FA3: "plain_fa3"}  # the SPECCTL_PATCHES switch of each optional backend
 
 
-def backends(flashinfer: bool = False) -> tuple[str, ...]:
-    """The attention backends the decode state is built on: triton, and flashinfer unless plain_flashinfer=off."""
-    return (TRITON, FLASHINFER) if flashinfer else (TRITON,)
+def backends(flashinfer: bool = False, fa3: bool = False) -> tuple[str, ...]:
+    """The attention backends the decode state is built on: triton, flashinfer unless plain_flashinfer=off, fa3
+    with plain_fa3=on (its decode path without spec_info is SGLang's no-spec one)."""
+    return (TRITON,) + ((FLASHINFER,) if flashinfer else ()) + ((FA3,) if fa3 else ())
+
+
+def refused(kind: str, backends: tuple[str, ...]) -> Optional[str]:
+    """Why the decode state is not built on attention backend class `kind`, or None."""
+    if kind in backends:
+        return None
+    hint = f"; SPECCTL_PATCHES={SWITCH[kind]}=on builds it there" if kind in SWITCH else ""
+    return f"attention backend {kind} (the decode state supports {', '.join(backends)}{hint})"
 
 
 def build(worker: Any, *, agree: Callable[[bool], bool], backends: tuple[str, ...] = (TRITON,),
@@ -171,10 +181,9 @@ def _capture(worker: Any, backends: tuple[str, ...], **kw: Any) -> PlainDecode:
             backend = mr._get_attention_backend(init_new_workspace=True)
         finally:
             mr.init_new_workspace = keep
-        kind = type(backend).__name__
-        if kind not in backends:
-            hint = "; SPECCTL_PATCHES=plain_flashinfer=off keeps it off flashinfer" if kind == FLASHINFER else ""
-            raise RuntimeError(f"attention backend {kind} (the decode state supports {', '.join(backends)}{hint})")
+        why = refused(type(backend).__name__, backends)
+        if why is not None:
+            raise RuntimeError(why)
         runner = None
         if getattr(steps0, "target_graph_runner", None) is not None:  # CUDA graphs on (SGLang built one)
             runner = runner_class()(mr, attn_backend=backend, speculative_num_steps=0,

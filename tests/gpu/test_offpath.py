@@ -448,6 +448,8 @@ def test_server_flag_suffixes_reach_the_servers_command_line(pol, flags):
     ("plugin-fixed:1:s3+fi", {"plain_flashinfer": "on"}, "plugin-fixed:1:s3", "static:s3+fi"),
     ("plugin-fixed:1:s3+fi+hostlens", {"host_lens": "check", "plain_flashinfer": "on"},
      "plugin-fixed:1:s3+fi", "off+hostlens"),
+    # +fa3plain: the decode state on fa3 (off by default: SGLang's steps 0 there)
+    ("plugin-fixed:1:s3+fa3plain", {"plain_fa3": "on"}, "plugin-fixed:1:s3", "static:s3+fa3plain"),
 ])
 def test_a_flashinfer_suffix_sets_its_switch_and_needs_a_plugin(pol, want, without, not_plugin):
     _, env, _ = B.policy_launch_args(pol, "/d")

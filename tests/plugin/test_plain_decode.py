@@ -377,11 +377,14 @@ def test_the_build_line_says_whether_graphs_were_captured(monkeypatch, caplog):
         assert f"decode state built: {want}" in caplog.text
 
 
-def test_flashinfer_is_a_decode_state_backend_unless_turned_off():
+def test_flashinfer_is_a_decode_state_backend_unless_turned_off_and_fa3_only_when_turned_on():
     from specctl.plugin.engine import PluginSettings
 
     assert pd.backends(False) == ("TritonAttnBackend",)
     assert pd.backends(True) == ("TritonAttnBackend", "FlashInferAttnBackend")
+    assert pd.backends(True, True) == ("TritonAttnBackend", "FlashInferAttnBackend", "FlashAttentionBackend")
+    assert PluginSettings.from_env({}).plain_decode_fa3 is False  # until a GPU run compares it with no-spec fa3
+    assert PluginSettings.from_env({"SPECCTL_PATCHES": "plain_fa3=on"}).plain_decode_fa3 is True
     assert PluginSettings.from_env({}).plain_decode_flashinfer is True  # since its GPU checks
     assert PluginSettings.from_env({"SPECCTL_PATCHES": "plain_flashinfer=off"}).plain_decode_flashinfer is False
     with pytest.raises(ValueError, match="plain_flashinfer must be on or off"):
@@ -395,7 +398,9 @@ def test_the_runtime_builds_on_the_backends_its_settings_name(monkeypatch):
     seen = []
     monkeypatch.setattr(pd, "build", lambda worker, agree, backends, patch, logprobs: seen.append(backends))
     for env, want in (({"SPECCTL_PATCHES": "plain_flashinfer=off"}, ("TritonAttnBackend",)),
-                      ({}, ("TritonAttnBackend", "FlashInferAttnBackend"))):
+                      ({}, ("TritonAttnBackend", "FlashInferAttnBackend")),
+                      ({"SPECCTL_PATCHES": "plain_fa3=on,plain_flashinfer=off"},
+                       ("TritonAttnBackend", "FlashAttentionBackend"))):
         settings = PluginSettings.from_env({"SPECCTL_TELEMETRY": "none", "SPECCTL_POLICY": "none", **env})
         rt = sglang_hooks.PluginRuntime(settings, tp_group_fn=_OneRank, patches=[pd.patch])
         rt.hooks_checked = True  # as if every hook took effect
@@ -405,6 +410,21 @@ def test_the_runtime_builds_on_the_backends_its_settings_name(monkeypatch):
 
 class _OneRank:
     pass
+
+
+@pytest.mark.parametrize("path, cls, switch", [
+    ("srt/layers/attention/flashattention_backend.py", "FlashAttentionBackend", "plain_fa3"),
+    ("srt/layers/attention/flashinfer_backend.py", "FlashInferAttnBackend", "plain_flashinfer"),
+    ("srt/layers/attention/triton_backend.py", "TritonAttnBackend", None),
+])
+def test_a_backend_the_settings_leave_out_is_refused_naming_its_switch(path, cls, switch):
+    """Against SGLang's class names: a backend renamed upstream would otherwise never get the decode state."""
+    assert any(isinstance(n, ast.ClassDef) and n.name == cls for n in _sglang_src(path).body)
+    for flashinfer, fa3 in ((False, False), (True, False), (False, True), (True, True)):
+        on = {None: True, "plain_flashinfer": flashinfer, "plain_fa3": fa3}[switch]
+        why = pd.refused(cls, pd.backends(flashinfer, fa3))
+        assert (why is None) if on else (f"SPECCTL_PATCHES={switch}=on builds it there" in why)
+    assert pd.refused("AiterAttnBackend", pd.backends(True, True)).endswith("FlashAttentionBackend)")
 
 
 # ------------------------------------------------------------------ against the real sglang modules

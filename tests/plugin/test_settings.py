@@ -17,12 +17,12 @@ OPERATOR_VARS = ["SPECCTL_MODE", "SPECCTL_SERVER_ID", "SPECCTL_RUNDIR", "SPECCTL
 def test_the_table_documents_exactly_the_twelve_variables_and_every_patch():
     documented = re.findall(r"^\| `(SPECCTL_[A-Z_]+)` \|", OPERATOR_TABLE, re.M)
     assert documented == OPERATOR_VARS
-    assert re.findall(r"^\| `([a-z_]+)` \|", OPERATOR_TABLE, re.M) == list(PATCHES)
+    assert re.findall(r"^\| `([a-z0-9_]+)` \|", OPERATOR_TABLE, re.M) == list(PATCHES)
 
 
 def test_the_defaults_are_the_patch_defaults():
     s = PluginSettings.from_env({})
-    assert s.patch_modes() == {"plain_decode": "on", "plain_flashinfer": "on", "plain_logprobs": "off",
+    assert s.patch_modes() == {"plain_decode": "on", "plain_flashinfer": "on", "plain_fa3": "off", "plain_logprobs": "off",
                                "splitkv": "on", "draft_graphs": "on", "spec_alloc": "on", "fi_plan": "off",
                                "host_lens": "check:32", "catchup": "off"}
     assert {k: v[1] for k, v in PATCHES.items()}["host_lens"] == "check"
