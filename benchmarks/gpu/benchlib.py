@@ -4,7 +4,12 @@ import json
 import os
 import re
 import statistics as st
+from importlib.util import find_spec
 
+if find_spec("specctl") is None:  # the GPU machine: nothing installed, the repository as a PYTHONPATH folder
+    import specctl_side
+
+    specctl_side.make_site(os.environ.get("SPECCTL_SITE", "/tmp/specctl_site"))
 from specctl.policies.table import OFF, config_name  # the one vocabulary of configurations
 
 R_RUN = re.compile(r"#running-req: (\d+)")

@@ -180,3 +180,20 @@ def test_replay_versions_on_the_committed_gpu_telemetry():
     assert first.startswith("7239 frames;"), first
     n_versions = int(first.split(";")[1].split()[0])
     assert n_versions > 1
+
+
+def test_the_runner_imports_on_a_machine_where_specctl_is_not_installed(tmp_path):
+    """The GPU machine has the repository and no specctl install: benchlib (run_bench's first import) makes the
+    PYTHONPATH site itself. `-S` leaves out site-packages and the editable install; numpy comes by path."""
+    import subprocess
+
+    import numpy
+
+    gpu = os.path.join(SC.REPO, "benchmarks", "gpu")
+    deps = os.path.dirname(os.path.dirname(numpy.__file__))
+    env = {"PATH": os.environ.get("PATH", ""), "PYTHONPATH": f"{gpu}:{deps}", "SPECCTL_SITE": str(tmp_path / "site")}
+    code = "import importlib.util as u; import benchlib, specctl; print(benchlib.OFF, u.find_spec('specctl.plugin').origin)"
+    r = subprocess.run([sys.executable, "-S", "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split(") ")[0] == "(0, 1, 1" and str(tmp_path / "site") in r.stdout
