@@ -2,7 +2,8 @@
 # The MoE testbed target's checks, THERE after the staging calls (the site, /tmp/m/base, /tmp/m/draft):
 #   bash benchmarks/gpu/moe_check.sh build                      /tmp/m/moe (build_moe.py) -> $OUT/moe.json
 #   bash benchmarks/gpu/moe_check.sh serve base:0 moe:0 base:3 moe:3   one server at a time (MODEL:STEPS; steps 0 =
-#        no speculation), MT-Bench turn 1 + HumanEval greedy through quick_accept.py -> $OUT/accept_<tag>.json
+#        no speculation, one request at a time), MT-Bench turn 1 + HumanEval greedy through quick_accept.py
+#        -> $OUT/accept_<tag>.json
 #   bash benchmarks/gpu/moe_check.sh compare                    $OUT/moe_check.json: greedy identity of moe:0 with
 #        base:0 per prompt, accept lengths of moe:3 against base:3
 set -uo pipefail
@@ -27,8 +28,11 @@ case $step in
         --mm-feature-transport cpu --port 30000 --host 127.0.0.1 --max-running-requests 64 --cuda-graph-max-bs-decode 64 \
         --decode-log-interval 10 --disable-prefill-cuda-graph > $OUT/server_$tag.log 2>&1 &
       P=$!
+      # steps 0 is the identity run: one request at a time, so that both servers decode every prompt in batches of
+      # one (at 16 at once, two servers of the dense base part on 139 of 244 prompts: batching, not the model)
+      conc=16; [ $S = 0 ] && conc=${IDENTITY_CONC:-1}
       PYTHONPATH=/tmp/site TOKDIR=$M/base timeout ${SERVE_TIMEOUT:-300} python3 benchmarks/gpu/quick_accept.py 30000 $OUT $tag \
-        ${NEW_TOKENS:-128} 16 2>&1 | tail -3
+        ${NEW_TOKENS:-128} $conc 2>&1 | tail -3
       python3 -c "import psutil,sys;p=psutil.Process(int(sys.argv[1]));[c.kill() for c in p.children(recursive=True)];p.kill()" $P
       sleep 3
       grep -E "Traceback|Error" $OUT/server_$tag.log | head -5
@@ -42,14 +46,18 @@ def load(tag):
     p = os.path.join(out, f"accept_{tag}.json")
     return json.load(open(p)) if os.path.exists(p) else None
 res = {}
-b0, m0 = load("base_s0"), load("moe_s0")
-if b0 and m0:
-    for name in b0:
-        pairs = list(zip(b0[name]["output_ids"], m0[name]["output_ids"]))
-        first = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None if len(a) == len(b) else min(len(a), len(b)))
+def parts(x, y, key):  # per prompt set: greedy outputs equal, and where the others first part
+    for name in x:
+        pairs = list(zip(x[name]["output_ids"], y[name]["output_ids"]))
+        first = [next((i for i, (a1, b1) in enumerate(zip(a, b)) if a1 != b1), None if len(a) == len(b) else min(len(a), len(b)))
                  for a, b in pairs]
-        res[f"identity_{name}"] = {"identical": sum(f is None for f in first), "of": len(pairs),
-                                   "first_divergence": sorted(f for f in first if f is not None)}
+        res[f"{key}_{name}"] = {"identical": sum(f is None for f in first), "of": len(pairs),
+                                "first_divergence": sorted(f for f in first if f is not None)}
+b0, m0, b3 = load("base_s0"), load("moe_s0"), load("base_s3")
+if b0 and m0:
+    parts(b0, m0, "identity")
+if b0 and b3:  # the control: the dense base against itself with speculation (what batching alone parts)
+    parts(b0, b3, "control_base_s0_s3")
 for name in ("mtbench", "humaneval"):
     b3, m3 = load("base_s3"), load("moe_s3")
     if b3 and m3:
