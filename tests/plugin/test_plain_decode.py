@@ -412,6 +412,7 @@ class _OneRank:
     pass
 
 
+@pytest.mark.sglang
 @pytest.mark.parametrize("path, cls, switch", [
     ("srt/layers/attention/flashattention_backend.py", "FlashAttentionBackend", "plain_fa3"),
     ("srt/layers/attention/flashinfer_backend.py", "FlashInferAttnBackend", "plain_flashinfer"),
