@@ -1,6 +1,7 @@
 """Pure helpers of the GPU runner (stdlib and specctl's vocabulary only; tested on CPU in tests/gpu/)."""
 import bisect
 import json
+import math
 import os
 import re
 import statistics as st
@@ -263,6 +264,51 @@ def server_args(maxc, mem_fraction, *, max_total_tokens=0, prefill_graph=False, 
     if not radix_cache:
         args.append("--disable-radix-cache")
     return args
+
+
+def weights_gb(*dirs):
+    """The safetensors in these model directories, GB (what a server loads before its KV pool is sized)."""
+    return sum(os.path.getsize(os.path.join(d, f)) for d in dirs if d and os.path.isdir(d)
+               for f in os.listdir(d) if f.endswith(".safetensors")) / 2 ** 30
+
+
+def parse_mem_fraction(text):
+    """--mem-fraction: a float (every server's --mem-fraction-static; 0 = 0.8 / servers at once) or `fit:GB`
+    (each server's fraction from the GPU memory free just before it starts: its weights plus GB)."""
+    if text.startswith("fit:"):
+        gb = float(text[4:])
+        if gb <= 0:
+            raise ValueError(f"--mem-fraction fit:GB needs GB > 0, not {text!r}")
+        return ("fit", gb)
+    f = float(text)
+    if not 0 <= f < 1:
+        raise ValueError(f"--mem-fraction must be in [0, 1) or fit:GB, not {text!r}")
+    return ("fixed", f)
+
+
+def fit_fraction(free_gb, load_gb, extra_gb, cap=0.95):
+    """SGLang 0.5.17 sizes the KV pool as (free after loading) - (free before loading) x (1 - fraction), and refuses
+    to start when that is not positive (kv_cache_configurator._profile_available_bytes): a server that loads
+    load_gb into free_gb needs fraction > load_gb / free_gb; extra_gb more is its KV pool and headroom. Servers
+    loading at once each see the others' loads as theirs, so a fitted fraction holds for one start at a time."""
+    f = (load_gb + extra_gb) / free_gb if free_gb > 0 else float("inf")
+    if f > cap:
+        raise ValueError(f"{free_gb:.1f} GB free cannot hold {load_gb:.1f} GB of weights and {extra_gb:.1f} GB more "
+                         f"(fraction {f:.2f} > {cap})")
+    return math.ceil(f * 1000) / 1000  # rounded up: never below what the weights need
+
+
+def gpu_free_gb(smi_out, visible=None):
+    """GB free on the GPU this process sees, from `nvidia-smi --query-gpu=index,memory.free --format=csv,noheader,
+    nounits` (MiB) and CUDA_VISIBLE_DEVICES (its first entry, an index; unset: GPU 0)."""
+    rows = {}
+    for line in smi_out.strip().splitlines():
+        idx, mib = (x.strip() for x in line.split(","))
+        rows[idx] = float(mib) / 1024
+    want = (visible or "0").split(",")[0].strip()
+    if want not in rows:
+        raise ValueError(f"GPU {want!r} (CUDA_VISIBLE_DEVICES) is not in nvidia-smi's list {sorted(rows)}")
+    return rows[want]
 
 
 R_REQ_STATS = re.compile(r"ReqTimeStats\(rid=[^,]*, input_len=(\d+), cached_input_len=(\d+), output_len=(\d+).*?\): "

@@ -616,7 +616,9 @@ def main():
     ap.add_argument("--out", required=True)
     ap.add_argument("--results", default=None, help="also write the results JSON here")
     ap.add_argument("--parallel", type=int, default=3)
-    ap.add_argument("--mem-fraction", type=float, default=0.0, help="per server; 0 = 0.8/parallel")
+    ap.add_argument("--mem-fraction", default="0", help="per server; 0 = 0.8/parallel; fit:GB = each server's weights "
+                    "+ GB of the memory free when it starts, the servers of a group starting one after another (how "
+                    "several MoE servers fit on one GPU)")
     ap.add_argument("--attention-backend", default="triton", choices=("triton", "flashinfer", "fa3"),
                     help="every server's attention backend (fa3, SGLang's default on Hopper, needs the bundle's "
                          "fa3.so.xz installed; the decode state runs on triton and flashinfer)")
@@ -667,8 +669,13 @@ def main():
     policies = [p for p in a.policies.split(",") if p]
     maxc = B.max_concurrency(levels, [ph["concurrency"] for ph in phase_set] if a.phase else (), a.identity_c,
                              resync=bool(a.resync))
-    memf = a.mem_fraction or round(0.8 / max(1, min(a.parallel, len(policies))), 3)
-    common = server_args(maxc, memf, max_total_tokens=a.max_total_tokens, prefill_graph=a.prefill_graph,
+    try:
+        memf_mode, memf = B.parse_mem_fraction(a.mem_fraction)
+    except ValueError as e:
+        ap.error(str(e))
+    memf = memf or round(0.8 / max(1, min(a.parallel, len(policies))), 3)
+    common = server_args(maxc, 0.0 if memf_mode == "fit" else memf, max_total_tokens=a.max_total_tokens,
+                         prefill_graph=a.prefill_graph,
                          request_stats=a.request_stats, attention_backend=a.attention_backend,
                          radix_cache=not a.no_radix_cache)
     plugin_pols = [p for p in policies if parse_policy(p)["kind"] in ("specctl", "plugin-fixed")]
@@ -692,6 +699,7 @@ def main():
 
     def launch(k, pol):
         port = a.port0 + 10 * k
+        flags = fraction_args(pol)  # first: a server that does not fit starts nothing, its daemon neither
         args, env_extra, cfg = policy_launch_args(pol, a.draft)
         if cfg is not None:
             cp = os.path.join(a.out, f"adaptive-{pol.replace(':', '_')}.json")
@@ -724,7 +732,23 @@ def main():
             env.update(env_extra)  # plugin-fixed: its threshold and config
             env = SC.with_pythonpath(env, site)  # keeps the model package's path
         lp = os.path.join(a.out, f"{a.variant}-{pol.replace(':', '_')}.log")
-        return {"policy": pol, "side": side, **start_server(a.model, port, common + args, env, lp)}
+        return {"policy": pol, "side": side, **start_server(a.model, port, flags + args, env, lp)}
+
+    def fraction_args(pol):
+        """The shared flags with this server's --mem-fraction-static (fit: from the memory free now)."""
+        if memf_mode != "fit":
+            return common
+        try:
+            smi = subprocess.run(["nvidia-smi", "--query-gpu=index,memory.free", "--format=csv,noheader,nounits"],
+                                 capture_output=True, text=True, check=True).stdout
+        except (OSError, subprocess.CalledProcessError) as e:
+            raise ValueError(f"--mem-fraction fit needs nvidia-smi's free memory: {e}") from e
+        free = B.gpu_free_gb(smi, os.environ.get("CUDA_VISIBLE_DEVICES"))
+        load = B.weights_gb(a.model, a.draft if parse_policy(pol)["kind"] != "off" else None)
+        f = B.fit_fraction(free, load, memf)
+        log(f"{pol}: --mem-fraction-static {f} ({free:.1f} GB free, {load:.1f} GB of weights + {memf} GB)")
+        i = common.index("--mem-fraction-static")
+        return common[:i + 1] + [str(f)] + common[i + 2:]
 
     def identity_pass(port, **kw):
         """The identity probe's 16 prompts, the radix cache flushed first: (all flushes took, outputs). At
@@ -920,10 +944,23 @@ def main():
         group = []  # launch a group, wait until all of it is up (others idle with --sleep-on-idle while one runs)
         while todo and len(group) < a.parallel:
             k, pol = todo.pop(0)
-            group.append(launch(k, pol))
+            if memf_mode == "fit" and group:  # one start at a time: each sizes itself from what the last left free
+                group[-1]["ok"] = wait_ready(group[-1], 400, deadline)
+                if not group[-1]["ok"]:
+                    todo.insert(0, (k, pol))
+                    break
+            try:
+                group.append(launch(k, pol))
+            except ValueError as e:  # no room left for it (fit): it starts in the next group
+                log("not launched", pol, f"{type(e).__name__}: {e}")
+                if not group:
+                    raise
+                todo.insert(0, (k, pol))
+                break
             log("launched", pol)
         for x in group:
-            x["ok"] = wait_ready(x, 400, deadline)
+            if "ok" not in x:
+                x["ok"] = wait_ready(x, 400, deadline)
             result["servers"][x["policy"]] = {"cmd": x["cmd"], "ready": x["ok"], "ready_s": round(time.time() - x["t"], 1)}
             if x.get("side") is not None:
                 result["servers"][x["policy"]]["daemon_args"] = list(x["side"].extra)
