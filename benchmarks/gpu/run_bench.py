@@ -674,10 +674,8 @@ def main():
     except ValueError as e:
         ap.error(str(e))
     memf = memf or round(0.8 / max(1, min(a.parallel, len(policies))), 3)
-    common = server_args(maxc, 0.0 if memf_mode == "fit" else memf, max_total_tokens=a.max_total_tokens,
-                         prefill_graph=a.prefill_graph,
-                         request_stats=a.request_stats, attention_backend=a.attention_backend,
-                         radix_cache=not a.no_radix_cache)
+    shared = dict(max_total_tokens=a.max_total_tokens, prefill_graph=a.prefill_graph, request_stats=a.request_stats,
+                  attention_backend=a.attention_backend, radix_cache=not a.no_radix_cache)
     plugin_pols = [p for p in policies if parse_policy(p)["kind"] in ("specctl", "plugin-fixed")]
     site = SC.make_site(a.specctl_site) if plugin_pols else None
     model_env, model_name = target_env(a.model, a.variant)
@@ -735,9 +733,9 @@ def main():
         return {"policy": pol, "side": side, **start_server(a.model, port, flags + args, env, lp)}
 
     def fraction_args(pol):
-        """The shared flags with this server's --mem-fraction-static (fit: from the memory free now)."""
+        """The flags every server shares, with this one's --mem-fraction-static (fit: from the memory free now)."""
         if memf_mode != "fit":
-            return common
+            return server_args(maxc, memf, **shared)
         try:
             smi = subprocess.run(["nvidia-smi", "--query-gpu=index,memory.free", "--format=csv,noheader,nounits"],
                                  capture_output=True, text=True, check=True).stdout
@@ -747,8 +745,7 @@ def main():
         load = B.weights_gb(a.model, a.draft if parse_policy(pol)["kind"] != "off" else None)
         f = B.fit_fraction(free, load, memf)
         log(f"{pol}: --mem-fraction-static {f} ({free:.1f} GB free, {load:.1f} GB of weights + {memf} GB)")
-        i = common.index("--mem-fraction-static")
-        return common[:i + 1] + [str(f)] + common[i + 2:]
+        return server_args(maxc, f, **shared)
 
     def identity_pass(port, **kw):
         """The identity probe's 16 prompts, the radix cache flushed first: (all flushes took, outputs). At
