@@ -188,11 +188,7 @@ class SimpleTokenizer:
     punctuation mark, inside a fixed 3-token chat wrapper."""
 
     def apply_chat_template(self, messages, add_generation_prompt=True, tokenize=True):
-        import re
-        import zlib
-
-        words = re.findall(r"\w+|[^\w\s]", messages[-1]["content"])
-        return [1, 2] + [zlib.crc32(w.encode()) % 30000 + 10 for w in words] + [3]
+        return [1, 2] + self.encode(messages[-1]["content"]) + [3]
 
     def encode(self, text):
         import re

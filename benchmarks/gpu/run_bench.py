@@ -943,9 +943,6 @@ def main():
             k, pol = todo.pop(0)
             if memf_mode == "fit" and group:  # one start at a time: each sizes itself from what the last left free
                 group[-1]["ok"] = wait_ready(group[-1], 400, deadline)
-                if not group[-1]["ok"]:
-                    todo.insert(0, (k, pol))
-                    break
             try:
                 group.append(launch(k, pol))
             except ValueError as e:  # no room left for it (fit): it starts in the next group
