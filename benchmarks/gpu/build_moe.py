@@ -1,6 +1,6 @@
 """Build the MoE testbed target from the dense base (runs on the GPU machine; CPU works, slowly).
 
-  python3 build_moe.py --base /tmp/m/base --out /tmp/m/moe [--experts 128 --top-k 8] [--prompts DIR]
+  python3 build_moe.py --base /tmp/m/base --out /tmp/m/moe [--experts 128 --top-k 8] [--tail N] [--prompts DIR]
 
 -> OUT/                Qwen2MoeForCausalLM (SGLang 0.5.17 serves it through the external model package
                        benchmarks/gpu/moe_models, which adds the get_embed_and_head that EAGLE-3 needs): every
@@ -8,6 +8,13 @@
                        fixed random matrix, no shared expert, top-k weights renormalised (norm_topk_prob). The
                        renormalised weights sum to 1, so the MoE block returns the dense MLP's output (up to bf16
                        rounding of the weighted sum) while each step reads the experts its tokens route to.
+                       --tail N appends N dense decoder layers (mlp_only_layers) after the 30 real ones, each
+                       with random q/k/v/gate/up (real kernels, real KV) and zero o_proj/down_proj: they add exactly
+                       nothing to the residual stream (the logits stay the base's; the EAGLE-3 aux layers 1, 14, 26
+                       are pinned in the draft's config) and a fixed cost to every step, the per-layer latency of a
+                       deeper model (a 61-layer TP8 MoE's attention and all-reduces) that the 30 layers at hidden 576
+                       lack: without it a step at batch 1 takes 1.9 ms on an H100, shorter than an EAGLE-3 server's
+                       host work per step.
    OUT/moe.json        dims, sizes, and the experts-touched curve: per layer, the distinct experts a step of T
                        tokens selects, from the base model's real router inputs (the post-attention RMSNorm output
                        of every layer, captured on real prompts: the MoE's router input is the same up to bf16
@@ -34,19 +41,22 @@ def log(*a):
     print(f"[{time.time() - T0:6.1f}s]", *a, flush=True)
 
 
-def moe_config(base_cfg, experts, top_k):
+def moe_config(base_cfg, experts, top_k, tail=0):
     """The Qwen2-MoE config of the base's shape. qkv_bias false: SGLang's Qwen2MoeAttention reads it (the base has
-    none); an explicit lm_head (SGLang's Qwen2MoeForCausalLM always loads one); no shared expert."""
+    none); an explicit lm_head (SGLang's Qwen2MoeForCausalLM always loads one); no shared expert. `tail` dense
+    layers appended: mlp_only_layers (SGLang 0.5.17 makes every layer sparse; the testbed's model package reads
+    it)."""
     c = base_cfg
+    layers = c["num_hidden_layers"] + tail
     return {"architectures": ["Qwen2MoeForCausalLM"], "model_type": "qwen2_moe", "hidden_size": c["hidden_size"],
             "intermediate_size": c["intermediate_size"], "moe_intermediate_size": c["intermediate_size"],
             "shared_expert_intermediate_size": 0, "num_experts": experts, "num_experts_per_tok": top_k,
-            "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [],
-            "num_hidden_layers": c["num_hidden_layers"], "num_attention_heads": c["num_attention_heads"],
+            "norm_topk_prob": True, "decoder_sparse_step": 1,
+            "mlp_only_layers": list(range(c["num_hidden_layers"], layers)), "num_hidden_layers": layers, "num_attention_heads": c["num_attention_heads"],
             "num_key_value_heads": c["num_key_value_heads"], "hidden_act": "silu",
             "max_position_embeddings": c["max_position_embeddings"], "rms_norm_eps": c["rms_norm_eps"],
             "rope_theta": c["rope_theta"], "rope_scaling": None, "qkv_bias": False, "tie_word_embeddings": False,
-            "use_sliding_window": False, "sliding_window": None, "max_window_layers": c["num_hidden_layers"],
+            "use_sliding_window": False, "sliding_window": None, "max_window_layers": layers,
             "vocab_size": c["vocab_size"], "bos_token_id": c.get("bos_token_id", 1),
             "eos_token_id": c.get("eos_token_id", 2), "pad_token_id": c.get("pad_token_id", 2),
             "torch_dtype": "bfloat16", "initializer_range": 0.02, "use_cache": True,
@@ -60,13 +70,18 @@ def routers(layers, experts, hidden, seed, dev):
             .to(torch.bfloat16) for _ in range(layers)]
 
 
-def moe_tensors(sd, cfg, rts):
-    """The MoE checkpoint's tensors, generated layer by layer (experts are copies of the dense MLP)."""
+def moe_tensors(sd, cfg, rts, seed=0):
+    """The MoE checkpoint's tensors, generated layer by layer (experts are copies of the dense MLP; the tail's
+    layers, cfg's mlp_only_layers, from tail_tensors)."""
     yield "model.embed_tokens.weight", sd["model.embed_tokens.weight"]
     yield "model.norm.weight", sd["model.norm.weight"]
     yield "lm_head.weight", sd.get("lm_head.weight", sd["model.embed_tokens.weight"])
+    dense = set(cfg["mlp_only_layers"])
     for i in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{i}."
+        if i in dense:
+            yield from tail_tensors(p, sd, cfg, seed + i)
+            continue
         for k in ("input_layernorm", "post_attention_layernorm", "self_attn.q_proj", "self_attn.k_proj",
                   "self_attn.v_proj", "self_attn.o_proj"):
             yield p + k + ".weight", sd[p + k + ".weight"]
@@ -74,6 +89,21 @@ def moe_tensors(sd, cfg, rts):
         for e in range(len(rts[i])):
             for k in ("gate_proj", "up_proj", "down_proj"):
                 yield f"{p}mlp.experts.{e}.{k}.weight", sd[p + "mlp." + k + ".weight"]
+
+
+def tail_tensors(p, sd, cfg, seed):
+    """One appended dense layer: norms of ones, random q/k/v and gate/up of the base's shapes (the kernels and the
+    KV of a real layer), o_proj and down_proj zero, so that the layer adds exactly zero to the residual."""
+    ref = "model.layers.0."
+    g = torch.Generator(device=sd[ref + "self_attn.q_proj.weight"].device).manual_seed(seed)
+    h = cfg["hidden_size"]
+    yield p + "input_layernorm.weight", torch.ones(h, dtype=torch.bfloat16)
+    yield p + "post_attention_layernorm.weight", torch.ones(h, dtype=torch.bfloat16)
+    for k in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj"):
+        w = sd[ref + k + ".weight"]
+        yield p + k + ".weight", (torch.randn(w.shape, generator=g, device=w.device) * 0.02).to(torch.bfloat16)
+    for k in ("self_attn.o_proj", "mlp.down_proj"):
+        yield p + k + ".weight", torch.zeros_like(sd[ref + k + ".weight"], dtype=torch.bfloat16)
 
 
 @torch.no_grad()
@@ -138,6 +168,8 @@ def main():
     ap.add_argument("--seed", type=int, default=7)
     ap.add_argument("--prompts", default="/tmp/specctl-stash/aux/prompts", help="MT-Bench + HumanEval (curve)")
     ap.add_argument("--draws", type=int, default=20)
+    ap.add_argument("--tail", type=int, default=0, help="dense zero-output layers appended after the real ones: a "
+                    "fixed per-step cost (the per-layer latency of a deeper model); the curve is the real layers'")
     ap.add_argument("--curve-only", action="store_true",
                     help="write OUT/moe.json (dims, sizes, the experts-touched curves) and no checkpoint: the curve "
                          "needs only the base's forward, which a CPU runs in minutes")
@@ -147,14 +179,14 @@ def main():
 
     cfg = json.load(open(os.path.join(a.base, "config.json")))
     sd = {k: v.to(dev) for k, v in load_file(os.path.join(a.base, "model.safetensors")).items()}
-    mcfg = moe_config(cfg, a.experts, a.top_k)
+    mcfg = moe_config(cfg, a.experts, a.top_k, tail=a.tail)
     rts = routers(cfg["num_hidden_layers"], a.experts, cfg["hidden_size"], a.seed, dev)
     os.makedirs(a.out, exist_ok=True)
     t = time.time()
     if a.curve_only:
-        params = sum(v.numel() for _name, v in moe_tensors(sd, mcfg, rts))  # the tensors are the base's, not copies
+        params = sum(v.numel() for _name, v in moe_tensors(sd, mcfg, rts, seed=a.seed))  # the tensors are the base's, not copies
     else:
-        params = write_sharded(a.out, moe_tensors(sd, mcfg, rts))
+        params = write_sharded(a.out, moe_tensors(sd, mcfg, rts, seed=a.seed))
         json.dump(mcfg, open(os.path.join(a.out, "config.json"), "w"), indent=1)
         for f in os.listdir(a.base):
             if f.startswith(("tokenizer", "special_tokens", "generation_config", "chat_template")):
@@ -162,7 +194,7 @@ def main():
                     dst.write(src.read())
     per_expert = 3 * cfg["hidden_size"] * cfg["intermediate_size"]
     summ = {"path": None if a.curve_only else a.out, "experts": a.experts, "top_k": a.top_k, "layers": cfg["num_hidden_layers"],
-            "moe_intermediate": cfg["intermediate_size"], "params": params,
+            "tail_layers": a.tail, "moe_intermediate": cfg["intermediate_size"], "params": params,
             "expert_params": per_expert * a.experts * cfg["num_hidden_layers"],
             "active_expert_params_per_token": per_expert * a.top_k * cfg["num_hidden_layers"],
             "gb_bf16": round(params * 2 / 1e9, 2), "router_seed": a.seed, "build_s": round(time.time() - t, 1)}

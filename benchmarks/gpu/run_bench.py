@@ -166,8 +166,10 @@ def target_env(model, variant):
     except (OSError, ValueError):
         cfg = {}
     if cfg.get("model_type") == "qwen2_moe":
+        tail = len(cfg.get("mlp_only_layers") or [])
         name = (f"Qwen2-MoE of SmolLM2-135M-Instruct ({cfg.get('num_experts')} experts, "
-                f"top-{cfg.get('num_experts_per_tok')}, build_moe.py)")
+                f"top-{cfg.get('num_experts_per_tok')}{f', {tail} zero-output dense tail layers' if tail else ''}, "
+                f"build_moe.py)")
         return {"env": {"SGLANG_EXTERNAL_MODEL_PACKAGE": "specctl_testbed_models"}, "path": MOE_MODELS}, name
     return None, "SmolLM2-135M-Instruct" + ("" if variant == "base" else f" zero-padded ({variant})")
 

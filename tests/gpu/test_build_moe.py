@@ -99,3 +99,30 @@ def test_experts_touched_counts_distinct_experts_per_layer():
     assert one["1"] == 4.0  # one token: exactly top-k experts
     assert set(four) == {"4", "8", "16", "32", "64", "128", "256", "512"}  # T a multiple of the width only
     assert 4.0 <= four["4"] <= 16.0 and one["512"] <= 32.0 and one["64"] > one["4"]
+
+
+def test_the_tail_is_dense_layers_that_add_nothing_to_the_residual():
+    """--tail N: N layers after the real ones, listed in mlp_only_layers (the testbed's model package builds them
+    dense), with the kernels of a real layer (random q/k/v, gate/up) and zero o_proj / down_proj: attention and
+    MLP outputs are exactly zero, so the residual stream, and with it the logits, are the real layers'."""
+    c = BM.moe_config(BASE, 6, 2, tail=2)
+    assert c["num_hidden_layers"] == 5 and c["mlp_only_layers"] == [3, 4] and c["max_window_layers"] == 5
+    sd = dense()
+    out = dict(BM.moe_tensors(sd, c, BM.routers(3, 6, 16, seed=1, dev="cpu"), seed=7))
+    for i in (3, 4):
+        p = f"model.layers.{i}."
+        assert not any(k.startswith(p + "mlp.experts") or k == p + "mlp.gate.weight" for k in out)
+        for k in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+                  "mlp.up_proj", "mlp.down_proj"):
+            assert out[p + k + ".weight"].shape == sd["model.layers.0." + k + ".weight"].shape, k
+        for k in ("self_attn.o_proj", "mlp.down_proj"):
+            assert not out[p + k + ".weight"].any(), k
+        for k in ("self_attn.q_proj", "mlp.gate_proj", "mlp.up_proj"):
+            assert out[p + k + ".weight"].float().abs().sum() > 0, k
+        x = torch.randn(5, 16)
+        up = torch.nn.functional.silu(x @ out[p + "mlp.gate_proj.weight"].float().T) * (x @ out[p + "mlp.up_proj.weight"].float().T)
+        assert torch.equal(up @ out[p + "mlp.down_proj.weight"].float().T, torch.zeros(5, 16))
+    # the two tail layers differ (seeded per layer) and the real layers are untouched
+    assert not torch.equal(out["model.layers.3.self_attn.q_proj.weight"], out["model.layers.4.self_attn.q_proj.weight"])
+    assert torch.equal(out["model.layers.2.mlp.experts.5.down_proj.weight"], sd["model.layers.2.mlp.down_proj.weight"])
+    assert BM.moe_config(BASE, 6, 2)["mlp_only_layers"] == []  # no tail: every layer sparse, as before

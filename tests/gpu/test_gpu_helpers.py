@@ -478,6 +478,9 @@ def test_the_moe_target_is_served_through_the_external_model_package(tmp_path):
     env, name = RB.target_env(str(moe), "moe")
     assert env["env"] == {"SGLANG_EXTERNAL_MODEL_PACKAGE": "specctl_testbed_models"}
     assert os.path.isdir(os.path.join(env["path"], "specctl_testbed_models"))
-    assert "128 experts, top-8" in name
+    assert "128 experts, top-8, build_moe.py" in name
+    (moe / "config.json").write_text(json.dumps({"model_type": "qwen2_moe", "num_experts": 128,
+                                                 "num_experts_per_tok": 8, "mlp_only_layers": list(range(30, 126))}))
+    assert "128 experts, top-8, 96 zero-output dense tail layers" in RB.target_env(str(moe), "moe")[1]
     assert RB.target_env(str(dense), "8b") == (None, "SmolLM2-135M-Instruct zero-padded (8b)")
     assert RB.target_env(str(tmp_path / "missing"), "base") == (None, "SmolLM2-135M-Instruct")
