@@ -8,7 +8,9 @@ A step is the span from one target forward's `step[DECODE bs=N]` / `step[TARGET_
   - GPU: the window from the first GPU op launched inside target forward k to the first of k+1, the time the
     GPU was busy in it (union of kernel / memcpy / memset intervals) and idle, the number of GPU ops;
   - CPU (the scheduler thread): the wall between the two annotations, the time inside synchronising runtime
-    calls (…Synchronize, blocking cudaMemcpy), kernel and graph launches;
+    calls (…Synchronize, blocking cudaMemcpy) and in the allocator's (cudaMalloc / cudaFree: torch's caching
+    allocator could not serve a request, or emptied its cache to retry, which synchronises the device), kernel and
+    graph launches;
   - where the scheduler's time goes: inclusive time per user annotation (scheduler.run_batch, draft_extend, …)
     and per CPU op name; the GPU's top kernels.
 Steps whose window holds a prefill (an EXTEND annotation) are left out of the medians; `prefill_windows` says
@@ -16,7 +18,8 @@ what they cost: how many, their median wall, and their share of the profiled wal
 requests ending and arriving, as in the phase workload — spends its time outside plain decode steps), and per
 window (`rows`: one decode step and the prefill iteration after it) the prefill's extend spans — `[bs, tokens]`
 each: the target's, then in an EAGLE server the draft's over the same prompts — with the GPU time of the work each
-launched, and the window's GPU busy and idle time: what a prefill iteration costs each server, part by part.
+launched, the window's GPU busy and idle time, its synchronising and allocator calls and (per window, summed
+over the windows) its CPU ops: what a prefill iteration costs each server, part by part.
 A trace taken with stacks (SGLang's /start_profile with_stack: torch's Python tracer, `python_function` events)
 also says where the scheduler thread's Python time goes over the kept steps: per function, its self time (less the
 Python calls it made) and its inclusive time (its outermost call only, so recursion counts once), each per step,
@@ -48,6 +51,13 @@ def _is_sync(name: str) -> bool:
     return "Synchronize" in name or name in ("cudaMemcpy", "cuMemcpyDtoH_v2", "cuMemcpyHtoD_v2")
 
 
+def _is_alloc(name: str) -> bool:
+    """The CUDA allocator's calls into the runtime: what torch's caching allocator does when its cache cannot
+    serve a request (cudaMalloc) or frees its cache to retry (cudaFree, which synchronises the device)."""
+    return name.startswith(("cudaMalloc", "cudaFree", "cuMemAlloc", "cuMemFree", "cuMemCreate", "cuMemMap",
+                            "cuMemUnmap", "cuMemRelease"))
+
+
 def _is_launch(name: str) -> bool:
     return "LaunchKernel" in name or name.startswith("cuLaunch")
 
@@ -74,11 +84,20 @@ def load(path: str) -> list[dict]:
     return tr["traceEvents"] if isinstance(tr, dict) else tr
 
 
+def runtime_figures(calls: list[dict]) -> dict[str, Any]:
+    """What the scheduler thread's runtime calls in one window cost: time in synchronising calls, in the
+    allocator's calls (and how many), and the allocator's calls by name."""
+    alloc = [e for e in calls if _is_alloc(e["name"])]
+    return {"sync_ms": round(sum(e["dur"] for e in calls if _is_sync(e["name"])) / 1000.0, 4),
+            "alloc_ms": round(sum(e["dur"] for e in alloc) / 1000.0, 4), "alloc_calls": len(alloc),
+            "alloc_by_name": dict(collections.Counter(e["name"] for e in alloc))}
+
+
 def summarize_prefill_rows(pre_rows: list[dict]) -> dict[str, Any]:
-    """Medians over a profile's prefill windows (`prefill_windows.rows`): the window's GPU time, and per prefill
-    the target's and (EAGLE) the draft's extend."""
+    """Medians over a profile's prefill windows (`prefill_windows.rows`): the window's GPU time, the scheduler's
+    time in synchronising and allocator calls, and per prefill the target's and (EAGLE) the draft's extend."""
     pw: dict[str, Any] = {}
-    for key in ("gpu_window_ms", "gpu_busy_ms", "gpu_idle_ms"):
+    for key in ("gpu_window_ms", "gpu_busy_ms", "gpu_idle_ms", "sync_ms", "alloc_ms", "alloc_calls"):
         pw[key + "_median"] = _med([r[key] for r in pre_rows if key in r])
     # in an EAGLE server each prefill is two extend spans over the same [bs, tokens]: the target's, then the
     # draft's; in a no-spec server two spans in a window are two prefills
@@ -180,6 +199,7 @@ def reduce_events(events: list[dict], label: str = "") -> dict[str, Any]:
     by_ann: collections.Counter = collections.Counter()
     by_op: collections.Counter = collections.Counter()
     by_kernel: collections.Counter = collections.Counter()
+    by_op_pre: collections.Counter = collections.Counter()  # the CPU ops of the prefill windows
     for k in range(len(target) - 1):
         c0, c1 = target[k]["ts"], target[k + 1]["ts"]
         if bisect.bisect_right(extend, c1) - bisect.bisect_left(extend, c0):
@@ -193,6 +213,8 @@ def reduce_events(events: list[dict], label: str = "") -> dict[str, Any]:
                 "extend_gpu_ms": [round(launched_gpu_ms(e), 4) for e in spans],
                 "extend_cpu_ms": [round(e["dur"] / 1000.0, 4) for e in spans],
                 "cpu_window_ms": round((c1 - c0) / 1000.0, 4)}
+            a, b = bisect.bisect_left(rt_ts, c0), bisect.bisect_left(rt_ts, c1)
+            pr.update(runtime_figures(rt[a:b]))
             g0, g1 = anchors[k], anchors[k + 1]
             if g0 is not None and g1 is not None and g1 > g0:
                 i, j = bisect.bisect_left(gpu_ts, g0), bisect.bisect_left(gpu_ts, g1)
@@ -201,12 +223,15 @@ def reduce_events(events: list[dict], label: str = "") -> dict[str, Any]:
                           gpu_idle_ms=round((g1 - g0) / 1000.0 - busy, 4))
             pr["c0"], pr["c1"] = c0, c1
             pre_rows.append(pr)
+            for e in cpu_ops:
+                if c0 <= e["ts"] < c1:
+                    by_op_pre[e["name"][:60]] += e["dur"]
             continue
         row: dict[str, Any] = {"bs": int(STEP_RE.match(target[k]["name"]).group(2) or 0),
                                "cpu_window_ms": (c1 - c0) / 1000.0, "c0": c0, "c1": c1}
         a, b = bisect.bisect_left(rt_ts, c0), bisect.bisect_left(rt_ts, c1)
         calls = rt[a:b]
-        row["sync_ms"] = sum(e["dur"] for e in calls if _is_sync(e["name"])) / 1000.0
+        row.update(runtime_figures(calls))
         row["kernel_launches"] = sum(1 for e in calls if _is_launch(e["name"]))
         row["graph_launches"] = sum(1 for e in calls if "GraphLaunch" in e["name"])
         row["runtime_calls"] = len(calls)
@@ -239,13 +264,15 @@ def reduce_events(events: list[dict], label: str = "") -> dict[str, Any]:
     if pre_rows:
         res["prefill_windows"].update(summarize_prefill_rows([{k: v for k, v in r.items() if k not in ("c0", "c1")}
                                                               for r in pre_rows]))
+        res["prefill_windows"]["cpu_ops_ms_per_window"] = {k: round(v / 1000.0 / len(pre_rows), 4)
+                                                           for k, v in by_op_pre.most_common(15)}
         if py:  # a profile with stacks: the prefill windows' Python time, per window
             res["prefill_windows"].update(python_functions(py, sorted((r["c0"], r["c1"]) for r in pre_rows)))
     if not n:
         res["error"] = "no step without a prefill"
         return res
-    keys = ("cpu_window_ms", "gpu_window_ms", "gpu_busy_ms", "gpu_idle_ms", "sync_ms", "gpu_ops", "kernel_launches",
-            "graph_launches", "runtime_calls")
+    keys = ("cpu_window_ms", "gpu_window_ms", "gpu_busy_ms", "gpu_idle_ms", "sync_ms", "alloc_ms", "alloc_calls",
+            "gpu_ops", "kernel_launches", "graph_launches", "runtime_calls")
     res["median"] = {k: _med([r[k] for r in rows if k in r]) for k in keys}
     res["batch_sizes"] = dict(collections.Counter(r["bs"] for r in rows))
     res["cpu_annotations_ms_per_step"] = {k: round(v / 1000.0 / n, 4) for k, v in by_ann.most_common(12)}

@@ -46,6 +46,13 @@ def _trace():
     return ev
 
 
+def _with_allocator(ev):
+    """The known trace, plus the caching allocator going to the runtime: once in kept step 0, twice (a malloc,
+    and a free that syncs the device) and an op in the prefill window."""
+    return ev + [_x("cuda_runtime", "cudaMalloc", 4000, 100), _x("cuda_runtime", "cudaMalloc", 25050, 300),
+                 _x("cuda_runtime", "cudaFree", 26050, 1200), _x("cpu_op", "aten::empty", 25060, 400)]
+
+
 def test_a_known_trace_reduces_to_its_figures():
     r = T.reduce_events(_trace(), "known")
     assert r["steps"] == 2 and r["skipped_for_prefill"] == 1 and r["scheduler_thread"] == [1, 7]
@@ -67,10 +74,26 @@ def test_a_known_trace_reduces_to_its_figures():
     # that window: decode step 2's attn (20.5-21.5 ms), the target's prefill graph (25.2-28.0) and the draft's
     # extend (28.5-29.0) up to step 3's first GPU op at 30.5: busy 1 + 2.8 + 0.5 of 10 ms
     assert pw["rows"] == [{"decode_bs": 4, "extends": [[1, 100], [1, 100]], "extend_gpu_ms": [2.8, 0.5],
-                           "extend_cpu_ms": [0.5, 0.3], "cpu_window_ms": 10.0, "gpu_window_ms": 10.0,
+                           "extend_cpu_ms": [0.5, 0.3], "cpu_window_ms": 10.0, "sync_ms": 0.0, "alloc_ms": 0.0,
+                           "alloc_calls": 0, "alloc_by_name": {}, "gpu_window_ms": 10.0,
                            "gpu_busy_ms": 4.3, "gpu_idle_ms": 5.7}]
     assert pw["target_extend_gpu_ms_median"] == 2.8 and pw["draft_extend_gpu_ms_median"] == 0.5
     assert pw["gpu_busy_ms_median"] == 4.3 and pw["prefill_tokens_median"] == 100
+    assert m["alloc_ms"] == 0.0 and pw["alloc_calls_median"] == 0 and pw["cpu_ops_ms_per_window"] == {}
+
+
+def test_the_allocators_runtime_calls_are_counted_per_window():
+    """Where a window's CPU time goes when torch's caching allocator has to call the runtime (a cudaFree to
+    retry syncs the device): per prefill window and in the kept steps' medians."""
+    r = T.reduce_events(_with_allocator(_trace()), "alloc")
+    assert r["median"]["alloc_ms"] == pytest.approx(0.05) and r["median"]["alloc_calls"] == 0.5
+    pw = r["prefill_windows"]
+    row = pw["rows"][0]
+    assert (row["alloc_ms"], row["alloc_calls"]) == (1.5, 2)
+    assert row["alloc_by_name"] == {"cudaMalloc": 1, "cudaFree": 1}
+    assert pw["alloc_ms_median"] == 1.5 and pw["alloc_calls_median"] == 2
+    assert pw["cpu_ops_ms_per_window"] == {"aten::empty": 0.4}
+    assert r["cpu_ops_ms_per_step"] == {"aten::to": 0.35}  # the prefill window's op is not a kept step's
 
 
 def test_one_outlier_window_moves_the_annotation_means_not_the_medians():
