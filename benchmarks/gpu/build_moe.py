@@ -8,13 +8,11 @@
                        fixed random matrix, no shared expert, top-k weights renormalised (norm_topk_prob). The
                        renormalised weights sum to 1, so the MoE block returns the dense MLP's output (up to bf16
                        rounding of the weighted sum) while each step reads the experts its tokens route to.
-                       --tail N appends N dense decoder layers (mlp_only_layers) after the 30 real ones, each
-                       with random q/k/v/gate/up (real kernels, real KV) and zero o_proj/down_proj: they add exactly
-                       nothing to the residual stream (the logits stay the base's; the EAGLE-3 aux layers 1, 14, 26
-                       are pinned in the draft's config) and a fixed cost to every step, the per-layer latency of a
-                       deeper model (a 61-layer TP8 MoE's attention and all-reduces) that the 30 layers at hidden 576
-                       lack: without it a step at batch 1 takes 1.9 ms on an H100, shorter than an EAGLE-3 server's
-                       host work per step.
+                       --tail N appends N dense layers (mlp_only_layers) after the 30 real ones: random q/k/v and
+                       gate/up (real kernels, real KV), zero o_proj and down_proj, so they add exactly nothing to the
+                       residual (the logits stay the base's; the draft's config pins the EAGLE-3 aux layers) and a
+                       fixed cost to every step: the per-layer latency of a deeper model, which 30 layers at hidden
+                       576 lack (docs/testbed.md, "The MoE target").
    OUT/moe.json        dims, sizes, and the experts-touched curve: per layer, the distinct experts a step of T
                        tokens selects, from the base model's real router inputs (the post-attention RMSNorm output
                        of every layer, captured on real prompts: the MoE's router input is the same up to bf16

@@ -1,11 +1,6 @@
-"""Qwen2MoeForCausalLM as an EAGLE-3 target on SGLang 0.5.17, whose class lacks get_embed_and_head (the EAGLE-3
-worker calls it at start-up to share the target's embedding with the draft). Testbed code, not the product:
-registered under the same architecture name, it replaces SGLang's class for the MoE testbed target only.
-
-It also honours the config's mlp_only_layers, which 0.5.17's Qwen2MoeDecoderLayer ignores (every layer sparse):
-those layers get Qwen2-MoE's dense MLP (the tail that build_moe.py --tail appends, whose o_proj and down_proj are
-zero). The block is chosen while the model is built, by layer id; the server logs how many layers are dense, and
-a config naming dense layers that were not built refuses to start."""
+"""Qwen2MoeForCausalLM as an EAGLE-3 target on SGLang 0.5.17 (testbed code, registered under SGLang's name for the MoE
+testbed target): adds the get_embed_and_head the EAGLE-3 worker calls, and builds the config's mlp_only_layers dense
+(build_moe.py --tail), which 0.5.17 ignores; a config naming dense layers that were not built refuses to start."""
 
 import logging
 
