@@ -50,7 +50,8 @@ def moe_config(base_cfg, experts, top_k, tail=0):
             "intermediate_size": c["intermediate_size"], "moe_intermediate_size": c["intermediate_size"],
             "shared_expert_intermediate_size": 0, "num_experts": experts, "num_experts_per_tok": top_k,
             "norm_topk_prob": True, "decoder_sparse_step": 1,
-            "mlp_only_layers": list(range(c["num_hidden_layers"], layers)), "num_hidden_layers": layers, "num_attention_heads": c["num_attention_heads"],
+            "mlp_only_layers": list(range(c["num_hidden_layers"], layers)), "num_hidden_layers": layers,
+            "num_attention_heads": c["num_attention_heads"],
             "num_key_value_heads": c["num_key_value_heads"], "hidden_act": "silu",
             "max_position_embeddings": c["max_position_embeddings"], "rms_norm_eps": c["rms_norm_eps"],
             "rope_theta": c["rope_theta"], "rope_scaling": None, "qkv_bias": False, "tie_word_embeddings": False,
@@ -182,7 +183,8 @@ def main():
     os.makedirs(a.out, exist_ok=True)
     t = time.time()
     if a.curve_only:
-        params = sum(v.numel() for _name, v in moe_tensors(sd, mcfg, rts, seed=a.seed))  # the tensors are the base's, not copies
+        # the tensors are the base's, not copies
+        params = sum(v.numel() for _name, v in moe_tensors(sd, mcfg, rts, seed=a.seed))
     else:
         params = write_sharded(a.out, moe_tensors(sd, mcfg, rts, seed=a.seed))
         json.dump(mcfg, open(os.path.join(a.out, "config.json"), "w"), indent=1)

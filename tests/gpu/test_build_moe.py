@@ -120,7 +120,8 @@ def test_the_tail_is_dense_layers_that_add_nothing_to_the_residual():
         for k in ("self_attn.q_proj", "mlp.gate_proj", "mlp.up_proj"):
             assert out[p + k + ".weight"].float().abs().sum() > 0, k
         x = torch.randn(5, 16)
-        up = torch.nn.functional.silu(x @ out[p + "mlp.gate_proj.weight"].float().T) * (x @ out[p + "mlp.up_proj.weight"].float().T)
+        gate, up = (x @ out[p + f"mlp.{k}.weight"].float().T for k in ("gate_proj", "up_proj"))
+        up = torch.nn.functional.silu(gate) * up
         assert torch.equal(up @ out[p + "mlp.down_proj.weight"].float().T, torch.zeros(5, 16))
     # the two tail layers differ (seeded per layer) and the real layers are untouched
     assert not torch.equal(out["model.layers.3.self_attn.q_proj.weight"], out["model.layers.4.self_attn.q_proj.weight"])

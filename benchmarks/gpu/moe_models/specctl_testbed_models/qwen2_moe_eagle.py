@@ -34,7 +34,8 @@ class Qwen2MoeForCausalLM(_SGLangQwen2Moe):
             super().__init__(config, quant_config=quant_config, prefix=prefix)
         finally:
             _q.Qwen2MoeSparseMoeBlock = sparse_block
-        built = {i for i, layer in enumerate(self.model.layers) if isinstance(getattr(layer, "mlp", None), DenseTailMLP)}
+        built = {i for i, layer in enumerate(self.model.layers)
+                 if isinstance(getattr(layer, "mlp", None), DenseTailMLP)}
         if built != dense:
             raise RuntimeError(f"mlp_only_layers {sorted(dense)} but dense MLPs built at {sorted(built)}")
         if dense:
