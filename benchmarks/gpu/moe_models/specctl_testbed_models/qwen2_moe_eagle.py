@@ -25,8 +25,10 @@ class Qwen2MoeForCausalLM(_SGLangQwen2Moe):
 
         def block(layer_id, config, quant_config=None, prefix="", **kwargs):
             if layer_id in dense:
+                # reduce_results as the sparse block was asked (0.5.23 reduces in the layer communicator)
                 return DenseTailMLP(hidden_size=config.hidden_size, intermediate_size=config.intermediate_size,
-                                    hidden_act=config.hidden_act, quant_config=quant_config, prefix=prefix)
+                                    hidden_act=config.hidden_act, quant_config=quant_config, prefix=prefix,
+                                    reduce_results=kwargs.get("reduce_results", True))
             return sparse_block(layer_id=layer_id, config=config, quant_config=quant_config, prefix=prefix, **kwargs)
 
         _q.Qwen2MoeSparseMoeBlock = block if dense else sparse_block
