@@ -272,6 +272,20 @@ def weights_gb(*dirs):
                for f in os.listdir(d) if f.endswith(".safetensors")) / 2 ** 30
 
 
+def kv_gb(tokens, *dirs):
+    """GB of bf16 KV cache that `tokens` tokens take in the models of these directories (each config.json's layers x
+    KV heads x head dim x K and V x 2 bytes; a directory without a readable config counts nothing)."""
+    total = 0
+    for d in dirs:
+        try:
+            c = json.load(open(os.path.join(d, "config.json")))
+            head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
+            total += c["num_hidden_layers"] * c.get("num_key_value_heads", c["num_attention_heads"]) * head_dim * 2 * 2
+        except (OSError, ValueError, KeyError, TypeError, ZeroDivisionError):
+            continue
+    return tokens * total / 2 ** 30
+
+
 def parse_mem_fraction(text):
     """--mem-fraction: a float (every server's --mem-fraction-static; 0 = 0.8 / servers at once) or `fit:GB`
     (each server's fraction from the GPU memory free just before it starts: its weights plus GB)."""

@@ -45,6 +45,7 @@ and per plugin policy OUT/specctl-<policy>/ (daemon log, every policy version, d
 import argparse
 import asyncio
 import json
+import math
 import os
 import random
 import re
@@ -676,6 +677,12 @@ def main():
     except ValueError as e:
         ap.error(str(e))
     memf = memf or round(0.8 / max(1, min(a.parallel, len(policies))), 3)
+    if memf_mode == "fit" and a.max_total_tokens:
+        # SGLang would size a smaller pool and queue requests at the top levels: say so before any server starts
+        need = B.kv_gb(a.max_total_tokens, a.model, a.draft)
+        if need > memf:
+            ap.error(f"--max-total-tokens {a.max_total_tokens}: this model's and its draft's KV take {need:.1f} GB, "
+                     f"more than fit:{memf:g} leaves each server; give fit:{math.ceil(need + 0.5)} or fewer tokens")
     shared = dict(max_total_tokens=a.max_total_tokens, prefill_graph=a.prefill_graph, request_stats=a.request_stats,
                   attention_backend=a.attention_backend, radix_cache=not a.no_radix_cache)
     plugin_pols = [p for p in policies if parse_policy(p)["kind"] in ("specctl", "plugin-fixed")]

@@ -102,3 +102,44 @@ def test_fitted_servers_start_one_after_another_each_from_what_is_left(tmp_path,
     assert "not launched static:s3 ValueError: 12.0 GB free cannot hold 20.0 GB" in r.stdout
     assert r.stdout.index("launched off") < r.stdout.index("launched static:s1") < r.stdout.index("launched static:s3")
     assert all(bench["servers"][p]["ready"] for p in pols)
+
+
+TAIL_MOE = {"num_hidden_layers": 126, "num_attention_heads": 9, "num_key_value_heads": 3, "hidden_size": 576}
+DRAFT = {"num_hidden_layers": 1, "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64,
+         "hidden_size": 576}
+
+
+@pytest.mark.parametrize("cfgs, tokens, want_bytes", [
+    ([TAIL_MOE], 1, 126 * 3 * 64 * 2 * 2),            # layers x KV heads x head dim x (K, V) x bf16
+    ([TAIL_MOE, DRAFT], 1, 127 * 3 * 64 * 2 * 2),     # the draft's one layer besides
+    ([{"num_hidden_layers": 30, "num_attention_heads": 9, "hidden_size": 576}], 2, 2 * 30 * 9 * 64 * 4),  # MHA
+    ([None], 1000, 0),                                 # no config: nothing counted
+])
+def test_the_kv_of_a_token_is_each_models_layers_heads_and_head_dim(tmp_path, cfgs, tokens, want_bytes):
+    dirs = []
+    for i, c in enumerate(cfgs):
+        d = tmp_path / f"m{i}"
+        d.mkdir()
+        if c is not None:
+            (d / "config.json").write_text(json.dumps(c))
+        dirs.append(str(d))
+    assert B.kv_gb(tokens, *dirs) * 2 ** 30 == pytest.approx(want_bytes)
+
+
+def test_a_kv_cap_the_fit_cannot_hold_is_refused_before_any_server_starts(tmp_path, bench_prompts):
+    """fit:3 with 60000 tokens of the tail MoE's KV (5.5 GB): SGLang would size a smaller pool and queue requests
+    at the top levels, so run_bench refuses, naming the figures; 30000 tokens (2.7 GB) would pass this check."""
+    model, draft = tmp_path / "moe", tmp_path / "draft"
+    for d, c in ((model, TAIL_MOE), (draft, DRAFT)):
+        d.mkdir()
+        (d / "config.json").write_text(json.dumps(c))
+    assert B.kv_gb(30000, str(model), str(draft)) < 3 < B.kv_gb(60000, str(model), str(draft))
+    cmd = [sys.executable, os.path.join(GPU, "run_bench.py"), "--model", str(model), "--variant", "moe",
+           "--draft", str(draft), "--policies", "off", "--levels", "1", "--mem-fraction", "fit:3",
+           "--max-total-tokens", "60000", "--out", str(tmp_path / "rb"), "--prompts", bench_prompts,
+           "--tokenizer", "simple", "--specctl-site", str(tmp_path / "site")]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2, r.stdout[-2000:] + r.stderr[-2000:]
+    assert "--max-total-tokens 60000: this model's and its draft's KV take 5.5 GB, more than fit:3" in r.stderr
+    assert "give fit:6 or fewer tokens" in r.stderr
+    assert not (tmp_path / "rb" / "bench-moe.json").exists()
