@@ -3,7 +3,7 @@
 #   bash benchmarks/gpu/moe_check.sh build                      /tmp/m/moe (build_moe.py) -> $OUT/moe.json
 #   bash benchmarks/gpu/moe_check.sh serve base:0 moe:0 base:3 moe:3   one server at a time (MODEL:STEPS; steps 0 =
 #        no speculation, one request at a time), MT-Bench turn 1 + HumanEval greedy through quick_accept.py
-#        -> $OUT/accept_<tag>.json
+#        -> $OUT/accept_<tag>.json, and each server's median step at its concurrency (clean Decode-batch windows)
 #   bash benchmarks/gpu/moe_check.sh compare                    $OUT/moe_check.json: greedy identity of moe:0 with
 #        base:0 per prompt, accept lengths of moe:3 against base:3
 set -uo pipefail
@@ -36,7 +36,12 @@ case $step in
       python3 -c "import psutil,sys;p=psutil.Process(int(sys.argv[1]));[c.kill() for c in p.children(recursive=True)];p.kill()" $P
       sleep 3
       grep -E "Traceback|Error" $OUT/server_$tag.log | head -5
-      grep -E "fused_moe|Using default MoE config|moe config" -i $OUT/server_$tag.log | head -3
+      grep -E "fused_moe|Using default MoE config|moe config|specctl testbed" -i $OUT/server_$tag.log | head -3
+      # the server's own step at the run's concurrency (SGLang's Decode-batch lines): what a --tail N adds
+      PYTHONPATH=/tmp/site:$PWD/benchmarks/gpu python3 -c "import sys, benchlib as B
+r = B.parse_decode_lines(open(sys.argv[1]).read(), n=int(sys.argv[2]))
+print(sys.argv[3], 'step at', sys.argv[2], 'running:', r.get('clean_step_ms_med'), 'ms (clean windows,', r.get('clean_lines'), 'lines)')" \
+        $OUT/server_$tag.log $conc $tag
     done ;;
   compare)
     python3 - "$OUT" <<'PY'
