@@ -84,13 +84,15 @@ def load(path: str) -> list[dict]:
     return tr["traceEvents"] if isinstance(tr, dict) else tr
 
 
-def runtime_figures(calls: list[dict]) -> dict[str, Any]:
+def runtime_figures(calls: list[dict], by_name: bool = False) -> dict[str, Any]:
     """What the scheduler thread's runtime calls in one window cost: time in synchronising calls, in the
-    allocator's calls (and how many), and the allocator's calls by name."""
+    allocator's calls (and how many; `by_name`: also per call name, for the windows a reduction lists)."""
     alloc = [e for e in calls if _is_alloc(e["name"])]
-    return {"sync_ms": round(sum(e["dur"] for e in calls if _is_sync(e["name"])) / 1000.0, 4),
-            "alloc_ms": round(sum(e["dur"] for e in alloc) / 1000.0, 4), "alloc_calls": len(alloc),
-            "alloc_by_name": dict(collections.Counter(e["name"] for e in alloc))}
+    out = {"sync_ms": round(sum(e["dur"] for e in calls if _is_sync(e["name"])) / 1000.0, 4),
+           "alloc_ms": round(sum(e["dur"] for e in alloc) / 1000.0, 4), "alloc_calls": len(alloc)}
+    if by_name:
+        out["alloc_by_name"] = dict(collections.Counter(e["name"] for e in alloc))
+    return out
 
 
 def summarize_prefill_rows(pre_rows: list[dict]) -> dict[str, Any]:
@@ -214,7 +216,7 @@ def reduce_events(events: list[dict], label: str = "") -> dict[str, Any]:
                 "extend_cpu_ms": [round(e["dur"] / 1000.0, 4) for e in spans],
                 "cpu_window_ms": round((c1 - c0) / 1000.0, 4)}
             a, b = bisect.bisect_left(rt_ts, c0), bisect.bisect_left(rt_ts, c1)
-            pr.update(runtime_figures(rt[a:b]))
+            pr.update(runtime_figures(rt[a:b], by_name=True))
             g0, g1 = anchors[k], anchors[k + 1]
             if g0 is not None and g1 is not None and g1 > g0:
                 i, j = bisect.bisect_left(gpu_ts, g0), bisect.bisect_left(gpu_ts, g1)
