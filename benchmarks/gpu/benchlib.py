@@ -40,6 +40,8 @@ HOST_LENS = "+hostlens"  # plugin policy suffix: host_lens=check (a step after a
 NO_HOST_LENS = "+nohostlens"  # plugin policy suffix: host_lens=off (SGLang's device pull every step: the control)
 CATCHUP = "+catchup"  # plugin policy suffix: catchup=on (steps 0 extends the draft once per 16 steps-0 steps and before
 #                       the next draft, not every step: plugin/patches/catchup.py)
+CATCHUP4 = "+catchup4"  # plugin policy suffix: catchup=4 (a window of 4 steps: its eager draft extend covers 4 tokens a
+#                         request, not 16, and so allocates a quarter of the draft's logits: the prefill-cost A/B)
 SCALAR_ALLOC = "+scalaralloc"  # plugin policy suffix: spec_alloc=off (0.5.17's speculative KV allocation reads each
 #                               request's length as a tensor scalar: the control of the plugin's default)
 # a plugin policy's suffix -> (parse_policy's field, its value, the plugin's patch (SPECCTL_PATCHES), its setting,
@@ -60,6 +62,7 @@ PLUGIN_SWITCHES = {
     NO_HOST_LENS: ("host_seq_lens", False, "host_lens", "off",
                    "it keeps the decode state's sequence lengths on the host unless told not to"),
     CATCHUP: ("draft_catchup", True, "catchup", "on", "it defers the steps-0 draft extends"),
+    CATCHUP4: ("draft_catchup", 4, "catchup", "4", "it defers the steps-0 draft extends"),
     SCALAR_ALLOC: ("spec_alloc_list", False, "spec_alloc", "off",
                    "the plugin hands SGLang's speculative KV allocation its lengths as a list"),
 }
@@ -90,7 +93,7 @@ def parse_policy(pol):
     Any speculative policy may end in +skipde: the server runs with SGLANG_SPEC_SKIP_ZERO_STEP_DRAFT_EXTEND=1
     (its steps-0 state no longer extends the draft; an upshift then drafts from stale state); a plugin policy
     in +verify, +deg / +nodeg, +splitkv / +stockverify, +lp, +fi / +nofi, +fihost, +hostlens / +nohostlens,
-    +catchup, +scalaralloc, in any order: each one patch's setting in SPECCTL_PATCHES (PLUGIN_SWITCHES). Any policy may end in +nooverlap (--disable-overlap-schedule) and +eager
+    +catchup / +catchup4, +scalaralloc, in any order: each one patch's setting in SPECCTL_PATCHES (PLUGIN_SWITCHES). Any policy may end in +nooverlap (--disable-overlap-schedule) and +eager
     (--disable-cuda-graph): SERVER_FLAGS."""
     base, suffixes = pol, set()
     known = (SKIP_DE, *PLUGIN_SWITCHES, *SERVER_FLAGS)

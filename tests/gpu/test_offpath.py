@@ -450,6 +450,9 @@ def test_server_flag_suffixes_reach_the_servers_command_line(pol, flags):
      "plugin-fixed:1:s3+fi", "off+hostlens"),
     # +fa3plain: the decode state on fa3 (off by default: SGLang's steps 0 there)
     ("plugin-fixed:1:s3+fa3plain", {"plain_fa3": "on"}, "plugin-fixed:1:s3", "static:s3+fa3plain"),
+    # +catchup / +catchup4: the draft catch-up with its default window (16) or a window of 4
+    ("plugin-fixed:1:s3+catchup", {"catchup": "on"}, "plugin-fixed:1:s3", "static:s3+catchup"),
+    ("plugin-fixed:1:s3+catchup4", {"catchup": "4"}, "plugin-fixed:1:s3", "threshold:5:s3+catchup4"),
 ])
 def test_a_flashinfer_suffix_sets_its_switch_and_needs_a_plugin(pol, want, without, not_plugin):
     _, env, _ = B.policy_launch_args(pol, "/d")
@@ -463,7 +466,7 @@ def test_a_flashinfer_suffix_sets_its_switch_and_needs_a_plugin(pol, want, witho
 def test_the_controls_of_the_flashinfer_defaults_turn_them_off_and_refuse_their_opposites():
     _, env, _ = B.policy_launch_args("plugin-fixed:1:s3+nofi+nohostlens", "/d")
     assert B.env_patches(env) == {"plain_flashinfer": "off", "host_lens": "off"}
-    for pol in ("plugin-fixed:1:s3+fi+nofi", "plugin-fixed:1:s3+nohostlens+hostlens"):
+    for pol in ("plugin-fixed:1:s3+fi+nofi", "plugin-fixed:1:s3+nohostlens+hostlens", "plugin-fixed:1:s3+catchup+catchup4"):
         with pytest.raises(ValueError, match="both ways"):
             B.parse_policy(pol)
 
