@@ -1051,7 +1051,8 @@ def main():
     for ref in trees:  # a tree's own greedy outputs: what specctl:TREE and threshold:T:TREE should reproduce
         result[f"identity_vs_{ref}"] = identity_report(outputs, ref)
     result["profiles_after_measurements"] = True  # see profiles_of
-    prof = profile_from_runs(result["runs"], f"h200-smollm2-135m-{a.variant}")
+    card = next((c for c in ("h200", "h100", "b200") if c in (result["gpu"] or "").lower()), "gpu")
+    prof = profile_from_runs(result["runs"], f"{card}-smollm2-135m-{a.variant}")  # the card it ran on
     json.dump(result, open(os.path.join(a.out, f"bench-{a.variant}.json"), "w"), indent=1)
     json.dump(prof, open(os.path.join(a.out, f"profile-{a.variant}.json"), "w"), indent=1)
     if a.results:
