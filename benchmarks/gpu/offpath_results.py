@@ -84,6 +84,14 @@ S3_STOCK_NOW = "plugin-fixed:1000:s3+stockverify"  # the stock kernel since the 
 S3_POLICIES = (S3_STOCK, S3_SPLITKV, S3_STOCK_NOW)
 
 
+def kernel_rows(runs: list[dict]) -> list[dict]:
+    """One call's runs that belong to the split-KV A/B (rec["splitkv"]): +splitkv and +stockverify always; the bare
+    plugin-fixed:1000:s3 only beside +splitkv, where it was the stock control (the plugin's default kernel until
+    2026-12-02). Alone it is the plugin's s3 with its default (split-KV) kernel: a sweep row like any static."""
+    ab = any(r["policy"] == S3_SPLITKV for r in runs)
+    return [r for r in runs if r["policy"] in (S3_SPLITKV, S3_STOCK_NOW) or (ab and r["policy"] == S3_STOCK)]
+
+
 def _round_steps(row: dict) -> list[float]:
     """The step time (ms) of each round of a run_bench row: Decode-batch medians at exactly c requests, over
     the windows without a prefill where every round has some (run_bench since 2026-12-02), else over all."""
@@ -151,7 +159,8 @@ def read_telemetry(folder: str) -> list[dict]:
 
 
 def prefill_iterations(log_dirs: list[str]) -> list[dict]:
-    """Per call: each server's prefill batches at high load (benchlib.prefill_batches over its log) and, for
+    """Per call: each server's prefill batches at high load and over the whole call (benchlib.prefill_batches over
+    its log) and, for
     the plugin's servers, the wall time one prefill iteration takes between two decode steps, per configuration
     and batch region (benchlib.iteration_gaps over the recorded telemetry), and the step's own time right after
     another step and right after a prefill (benchlib.steps_after_prefill: the worker's host work the GPU waits
@@ -162,8 +171,10 @@ def prefill_iterations(log_dirs: list[str]) -> list[dict]:
         row: dict = {"logs": d, "servers": {}}
         for f in sorted(os.listdir(d)):
             if f.endswith(".log") and f != "run.log":
-                row["servers"].setdefault(log_policy(f), {})["prefill"] = prefill_batches(
-                    open(os.path.join(d, f), errors="replace").read())
+                text = open(os.path.join(d, f), errors="replace").read()
+                srv = row["servers"].setdefault(log_policy(f), {})
+                # at high load, and over the whole call (every level: how far the closed loop's prefills batch)
+                srv["prefill"], srv["prefill_all"] = prefill_batches(text), prefill_batches(text, min_running=0)
             elif f.startswith("specctl-") and os.path.isdir(os.path.join(d, f)):
                 tel = read_telemetry(os.path.join(d, f))
                 for field, by in (("one_iteration_gap_ms", iteration_gaps(tel)),
@@ -264,9 +275,10 @@ def build(benches: list[dict], calls: list[str], log_dirs: list[str] | None = No
         twice = folded_twice(r["policy"] for r in runs)
         if twice:
             raise SystemExit(f"offpath_results: call {i} ran policies that share a step-cost column: {twice}")
-        pols = {step_name(r["policy"]) for r in runs} - set(S3_POLICIES)  # the s3 kernel rows: rec["splitkv"]
+        kernel = kernel_rows(runs)  # the s3 kernel rows: rec["splitkv"]
+        runs = [r for r in runs if not any(r is k for k in kernel)]
+        pols = {step_name(r["policy"]) for r in runs}
         has_steps, has_sweep = bool(pols & (set(STEP_POLICIES) - {"off"})), bool(pols - set(STEP_POLICIES))
-        runs = [r for r in runs if r["policy"] not in S3_POLICIES]
         step_runs += [r for r in runs if step_name(r["policy"]) in STEP_POLICIES and (r["policy"] != "off" or has_steps)]
         sweep_runs += [dict(r, call=i) for r in runs if step_name(r["policy"]) not in STEP_POLICIES
                        or (r["policy"] == "off" and has_sweep)]
@@ -278,7 +290,7 @@ def build(benches: list[dict], calls: list[str], log_dirs: list[str] | None = No
                       "output_tokens_per_s": r.get("output_tokens_per_s"), "call": r["call"]}
                      for r in sweep_runs],
            "phase_runs": [], "identity": None, "resync": None}
-    sk = splitkv_costs([r for b in benches for r in b.get("runs", [])])
+    sk = splitkv_costs([r for b in benches for r in kernel_rows(b.get("runs", []))])
     if sk:
         rec["splitkv"] = sk
     rec["throughput"] = throughput_rows(benches)

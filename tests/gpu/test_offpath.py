@@ -360,11 +360,21 @@ def test_the_lp_decode_state_counts_as_the_decode_state_in_step_costs():
     """Call S: plugin-fixed:1:s3+lp beside the no-spec server and the s3 servers: its steps (the loads ask for no
     log-probabilities) are the decode state's column; the s3 servers are the split-KV rows, not the sweep's."""
     b = {"runs": [_row("off", 1, [6.1, 6.2, 6.15]), _row(O.DECODE_STATE + "+lp", 1, [6.4, 6.5, 6.45]),
-                  _row("plugin-fixed:1000:s3", 1, [8.0], 170.0)]}
+                  _row("plugin-fixed:1000:s3", 1, [8.0], 170.0), _row(O.S3_SPLITKV, 1, [6.9], 190.0)]}
     rec = O.build([b], ["S"])
     sc = rec["step_costs"][0]
     assert sc["off_state_ms"] == 6.45 and sc["no_spec_ms"] == 6.15 and sc["rounds"] == 3
-    assert rec["sweep"] == [] and rec["splitkv"][0]["stock_ms"] == 8.0
+    assert rec["sweep"] == [] and rec["splitkv"][0]["stock_ms"] == 8.0 and rec["splitkv"][0]["splitkv_ms"] == 6.9
+
+
+def test_the_plugins_s3_without_its_kernel_control_is_a_sweep_row():
+    """2026-12-07 (the MoE target): plugin-fixed:1000:s1 and plugin-fixed:1000:s3 with the plugin's default kernel,
+    no +splitkv beside them: sweep rows, not the stock side of a split-KV A/B (which it was until 2026-12-02)."""
+    b = {"runs": [_row("plugin-fixed:1000:s1", 1, [10.0], 102.2), _row("plugin-fixed:1000:s3", 1, [10.9], 109.3)]}
+    rec = O.build([b], ["S"])
+    assert "splitkv" not in rec
+    assert sorted((r["policy"], r["output_tokens_per_s"]) for r in rec["sweep"]) == [
+        ("plugin-fixed:1000:s1", 102.2), ("plugin-fixed:1000:s3", 109.3)]
 
 
 def _ident(identical, c):
@@ -634,6 +644,20 @@ def test_prefill_batches_count_the_high_load_lines_and_their_new_requests():
                                        "cuda_graph_share": None}
     assert B.prefill_batches(text, min_running=30)["prefill_batches"] == 3
     assert B.prefill_batches("")["new_requests_per_batch"] is None
+
+
+def test_prefill_iterations_count_each_servers_prefills_at_high_load_and_over_the_call(tmp_path):
+    """2026-12-07 (MoE, equal caps): the no-spec server's replacements prefilled together, the speculating
+    server's one by one; the whole-call count says so where the high-load one (c >= 90) sees little."""
+    line = "[t] Prefill batch, #new-seq: {n}, #new-token: 90, #cached-token: 0, token usage: 0.1, #running-req: {r}, #queue-req: 0\n"
+    (tmp_path / "moe-off.log").write_text(line.format(n=16, r=0) + line.format(n=16, r=0) + line.format(n=2, r=126))
+    (tmp_path / "moe-specctl.log").write_text(line.format(n=1, r=15) * 20 + line.format(n=1, r=127) * 3)
+    (tmp_path / "run.log").write_text(line.format(n=9, r=0))
+    got = O.prefill_iterations([str(tmp_path)])[0]["servers"]
+    assert sorted(got) == ["off", "specctl"]
+    assert (got["off"]["prefill"]["prefill_batches"], got["off"]["prefill_all"]["prefill_batches"]) == (1, 3)
+    assert got["off"]["prefill_all"]["new_requests_per_batch"] == round(34 / 3, 3)
+    assert (got["specctl"]["prefill"]["prefill_batches"], got["specctl"]["prefill_all"]["prefill_batches"]) == (3, 23)
 
 
 def test_prefill_batches_say_which_ran_in_the_prefill_graph():
