@@ -275,8 +275,8 @@ def build(benches: list[dict], calls: list[str], log_dirs: list[str] | None = No
         twice = folded_twice(r["policy"] for r in runs)
         if twice:
             raise SystemExit(f"offpath_results: call {i} ran policies that share a step-cost column: {twice}")
-        kernel = kernel_rows(runs)  # the s3 kernel rows: rec["splitkv"]
-        runs = [r for r in runs if not any(r is k for k in kernel)]
+        kernel = {id(r) for r in kernel_rows(runs)}  # the s3 kernel rows: rec["splitkv"]
+        runs = [r for r in runs if id(r) not in kernel]
         pols = {step_name(r["policy"]) for r in runs}
         has_steps, has_sweep = bool(pols & (set(STEP_POLICIES) - {"off"})), bool(pols - set(STEP_POLICIES))
         step_runs += [r for r in runs if step_name(r["policy"]) in STEP_POLICIES and (r["policy"] != "off" or has_steps)]
