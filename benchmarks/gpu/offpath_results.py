@@ -160,9 +160,8 @@ def read_telemetry(folder: str) -> list[dict]:
 
 def prefill_iterations(log_dirs: list[str]) -> list[dict]:
     """Per call: each server's prefill batches at high load and over the whole call (benchlib.prefill_batches over
-    its log) and, for
-    the plugin's servers, the wall time one prefill iteration takes between two decode steps, per configuration
-    and batch region (benchlib.iteration_gaps over the recorded telemetry), and the step's own time right after
+    its log) and, for the plugin's servers, the wall time one prefill iteration takes between two decode steps,
+    per configuration and batch region (benchlib.iteration_gaps over the recorded telemetry), and the step's own time right after
     another step and right after a prefill (benchlib.steps_after_prefill: the worker's host work the GPU waits
     for there). Where a whole-iteration loss at c >= 64 comes from: more prefill iterations, dearer ones, dearer
     steps after them, or neither."""
@@ -269,14 +268,15 @@ def build(benches: list[dict], calls: list[str], log_dirs: list[str] | None = No
     # a call's no-spec runs are the reference of the step costs only if the call ran a decode state or the
     # trivial verify beside them, and of the sweep only if it ran specctl or a static beside them: a sweep's
     # single round never stands in a step-cost median (the rounds of one call are what the ratio is of)
-    step_runs, sweep_runs = [], []
+    step_runs, sweep_runs, kernel_runs = [], [], []
     for i, b in enumerate(benches, 1):
         runs = b.get("runs", [])
         twice = folded_twice(r["policy"] for r in runs)
         if twice:
             raise SystemExit(f"offpath_results: call {i} ran policies that share a step-cost column: {twice}")
-        kernel = {id(r) for r in kernel_rows(runs)}  # the s3 kernel rows: rec["splitkv"]
-        runs = [r for r in runs if id(r) not in kernel]
+        kernel = kernel_rows(runs)  # the s3 kernel rows: rec["splitkv"]
+        kernel_runs += kernel
+        runs = [r for r in runs if all(r is not k for k in kernel)]
         pols = {step_name(r["policy"]) for r in runs}
         has_steps, has_sweep = bool(pols & (set(STEP_POLICIES) - {"off"})), bool(pols - set(STEP_POLICIES))
         step_runs += [r for r in runs if step_name(r["policy"]) in STEP_POLICIES and (r["policy"] != "off" or has_steps)]
@@ -290,7 +290,7 @@ def build(benches: list[dict], calls: list[str], log_dirs: list[str] | None = No
                       "output_tokens_per_s": r.get("output_tokens_per_s"), "call": r["call"]}
                      for r in sweep_runs],
            "phase_runs": [], "identity": None, "resync": None}
-    sk = splitkv_costs([r for b in benches for r in kernel_rows(b.get("runs", []))])
+    sk = splitkv_costs(kernel_runs)
     if sk:
         rec["splitkv"] = sk
     rec["throughput"] = throughput_rows(benches)
