@@ -116,10 +116,13 @@ def clean_step_costs(log_dirs: list[str], concurrencies: list[int]) -> list[dict
     """Per call (a directory of run_bench server logs) and concurrency: each step policy's median step time over
     the whole log's Decode-batch windows at exactly c running requests that hold no prefill (benchlib's
     clean_step_ms_med; at least MIN_CLEAN_WINDOWS of them), with how many windows; the decode state and the
-    split-KV s3 against their call's no-spec / stock s3 server. The rounds are pooled (the logs do not mark them)."""
+    split-KV s3 against their call's no-spec / stock s3 server. The rounds are pooled (the logs do not mark them),
+    so a specctl server, whose state changes with its table (the learning pass too), has no row here: its windows
+    mix states (the runs' own repeats_clean_step_ms are per round)."""
     out = []
     for d in log_dirs:
-        logs = {log_policy(f): os.path.join(d, f) for f in sorted(os.listdir(d)) if f.endswith(".log") and f != "run.log"}
+        logs = {log_policy(f): os.path.join(d, f) for f in sorted(os.listdir(d))
+                if f.endswith(".log") and f != "run.log" and not log_policy(f).startswith("specctl")}
         for c in concurrencies:
             row: dict = {"logs": d, "concurrency": c}
             for pol, path in logs.items():
@@ -297,7 +300,8 @@ def build(benches: list[dict], calls: list[str], log_dirs: list[str] | None = No
     if log_dirs:
         rec["prefill_iterations"] = prefill_iterations(log_dirs)
         rec["step_costs_clean"] = clean_step_costs(log_dirs, sorted({r["concurrency"] for r in rec["step_costs"]}
-                                                                    | {r["concurrency"] for r in sk}))
+                                                                    | {r["concurrency"] for r in sk}
+                                                                    | {r["concurrency"] for r in rec["sweep"]}))
     seen: dict[str, int] = {}
     for r in phase:
         name = issue_name(shipped(r["policy"]))
@@ -397,14 +401,17 @@ def targets(rec: dict) -> dict:
         if any(f"{key}_vs_no_spec" in r for r in rec["step_costs"]):
             t[f"{key}_le_1.03x_no_spec"] = {str(r["concurrency"]): r.get(f"{key}_vs_no_spec") for r in rec["step_costs"]}
     env: dict[int, float] = {}
+    of: dict[int, set] = {}  # the servers each c's envelope was taken over (a call without statics: no-spec alone)
     mine: dict[int, float] = {}
     for r in rec["sweep"]:
         v = r["output_tokens_per_s"] or 0.0
         if r["policy"] == "no-spec" or r["policy"].startswith("static:"):
             env[r["concurrency"]] = max(env.get(r["concurrency"], 0.0), v)
+            of.setdefault(r["concurrency"], set()).add(r["policy"])
         if r["policy"] == "specctl":
             mine[r["concurrency"]] = v
     t["sweep_specctl_vs_envelope_ge_0.98"] = {str(c): round(mine[c] / env[c], 4) for c in sorted(mine) if env.get(c)}
+    t["sweep_envelope_of"] = {str(c): sorted(of[c]) for c in sorted(mine) if env.get(c)}
     paired = paired_envelope(rec["sweep"])
     if paired:
         t["sweep_specctl_vs_envelope_ge_0.98_paired"] = paired

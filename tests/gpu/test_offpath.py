@@ -117,6 +117,7 @@ def test_record_has_the_issue_fields_and_checks_the_targets():
     assert [r["run"] for r in rec["phase_runs"] if r["policy"] == "specctl"] == [1, 2]
     t = rec["targets"]
     assert t["sweep_specctl_vs_envelope_ge_0.98"] == {"8": round(1090 / 1100, 4)}
+    assert t["sweep_envelope_of"] == {"8": ["no-spec", "static:s3"]}
     assert t["phase_specctl_over"]["no-spec"] == round(2050 / 1925, 4)
     assert t["identity"] == "16/16"
 
@@ -292,6 +293,18 @@ def test_a_sweeps_no_spec_round_stays_out_of_another_calls_step_costs():
     assert rec["targets"]["sweep_specctl_vs_envelope_ge_0.98"] == {"1": round(180 / 178, 4)}
 
 
+def test_a_sweep_call_with_its_logs_gets_clean_step_rows_at_its_concurrencies(tmp_path):
+    """A call of specctl and no-spec alone (no decode state, no kernel A/B): the no-spec server's clean windows at
+    the sweep's c are in the record; the envelope says which servers it was taken over."""
+    line = "Decode batch, #running-req: 4, gen throughput (token/s): {tp}\n"
+    (tmp_path / "moe-off.log").write_text("".join(line.format(tp=round(4000 / 9.6, 3)) for _ in range(4)))
+    f = {"runs": [_row("off", 4, [], 260.0), _row("specctl", 4, [], 290.0)]}
+    rec = O.build([f], ["F"], [str(tmp_path)])
+    assert rec["step_costs"] == [] and rec["step_costs_clean"][0]["concurrency"] == 4
+    assert rec["step_costs_clean"][0]["off"] == {"ms": 9.6, "windows": 3}  # the first window of a log is not clean
+    assert rec["targets"]["sweep_envelope_of"] == {"4": ["no-spec"]}
+
+
 def test_a_sweep_split_over_calls_pairs_each_competitor_with_the_specctl_of_its_own_call():
     """2026-12-06 on an H100 (two 8B servers at once): F'3 ran specctl beside no-spec and s3, F'4 beside s1 and
     s2, and the two calls' specctl differ by more than the 0.98 bound; each call's ratio is its own, the target the
@@ -437,6 +450,10 @@ def test_clean_step_costs_read_the_server_logs_of_a_call(tmp_path):
     assert rows[64][O.DECODE_STATE + "+lp"]["vs_no_spec"] == round(8.2 / 8.0, 4)
     assert "static:s3" not in rows[64]
     assert rows[16][O.S3_SPLITKV]["vs_stock"] == 0.85
+    # a specctl server's windows mix the states of its table (the learning pass too): no pooled row for it
+    (tmp_path / "moe-specctl.log").write_text(log(9.0, 64, 5, False))
+    rows = {r["concurrency"]: r for r in O.clean_step_costs([str(tmp_path)], [16, 64])}
+    assert "specctl" not in rows[64] and rows[64]["off"]["ms"] == 8.0
 
 
 @pytest.mark.parametrize("pol,flags", [("off+eager", ["--disable-cuda-graph"]),
