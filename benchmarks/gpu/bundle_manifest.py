@@ -11,6 +11,9 @@ joined artifact. Stdlib only (runs here and on the GPU machine).
         call: the working tree + its parts <= LIMIT_MIB, default 64, less 0.25 MiB); rewrites MANIFEST.json;
         prints each call's carry list as JSON lines (A, B, C, ...; the last one carries the JIT cache: install
         and measure at once)
+  python3 bundle_manifest.py stage BUNDLE_DIR TREE_BYTES LIMIT_MIB EXTRA...   (EXTRA: fa3.so.xz,
+        flashinfer-jit-cache-sm90.tgz) -> the same with the extras (FA3 re-split too) and the JIT cache packed
+        after deep_gemm: the last call completes everything
 
 An artifact named X is either the single file X or the parts X.part00, X.part01, ... (split -d -a 2).
 """
@@ -160,16 +163,28 @@ def _resplit(bundle_dir, base, sizes):
     return names
 
 
-def stage(bundle_dir, tree_bytes, limit_mib=64.0, margin_mib=0.25, max_calls=6):
+SPLITTABLE = ("gguf", "site.txz", "fa3.so.xz")  # the artifacts stage may re-split at a call's boundary
+
+
+def stage(bundle_dir, tree_bytes, limit_mib=64.0, margin_mib=0.25, max_calls=6, extras=()):
     """The staging calls (A, B, C, ... as many as the limit needs) carry aux, the GGUF, the site and deep_gemm
     in that order, the GGUF and the site re-split at each call's boundary; the measuring call after them
-    carries the JIT cache (a few MiB: it restores in seconds). Returns {call: carry list (names inside
-    bundle_dir)}, the JIT cache's call last."""
+    carries the JIT cache (a few MiB: it restores in seconds). With extras (artifact names in bundle_dir:
+    fa3.so.xz, re-split like the GGUF; flashinfer-jit-cache-sm90.tgz) they and the JIT cache are packed after
+    deep_gemm into as few calls as the limit allows (install_bundle.sh installs FA3 once the site is in,
+    whichever call completes either). Returns {call: carry list (names inside bundle_dir)}."""
     cap = int((limit_mib - margin_mib) * 2**20) - tree_bytes - 4096  # 4 KiB: the MANIFEST every call carries
+    groups = group_files(os.listdir(bundle_dir))
     size = lambda n: os.path.getsize(os.path.join(bundle_dir, n))  # noqa: E731
-    total = lambda base: sum(size(p) for p in group_files(os.listdir(bundle_dir)).get(base, []))  # noqa: E731
+    total = lambda base: sum(size(p) for p in groups.get(base, []))  # noqa: E731
+    for x in extras:
+        if x not in groups:
+            raise ValueError(f"{x}: not in {bundle_dir} (build_bundle.sh builds it; WITH_FA3=1 for fa3.so.xz)")
     items = [("aux.tgz", size("aux.tgz"), False), ("gguf", total("gguf"), True),
              ("site.txz", total("site.txz"), True), ("deepgemm.tgz", size("deepgemm.tgz"), False)]
+    if extras:
+        items += [(x, total(x), x in SPLITTABLE) for x in extras] + [("jitcache.tgz", size("jitcache.tgz"), False)]
+        max_calls += len(extras) * 3
     need = sum(n for _, n, _ in items)
     if cap <= 0 or need > max_calls * cap:
         raise ValueError(f"{need / 2**20:.1f} MiB do not fit {max_calls} calls of {max(cap, 0) / 2**20:.1f} MiB")
@@ -190,7 +205,7 @@ def stage(bundle_dir, tree_bytes, limit_mib=64.0, margin_mib=0.25, max_calls=6):
                     raise ValueError(f"the parts do not fall into {max_calls} calls of {cap / 2**20:.1f} MiB")
                 calls.append([])
                 room = cap
-    parts = {base: _resplit(bundle_dir, base, cuts.get(base, [])) for base in ("gguf", "site.txz")}
+    parts = {base: _resplit(bundle_dir, base, cuts.get(base, [])) for base, _, split in items if split}
     json.dump(build_manifest(bundle_dir), open(os.path.join(bundle_dir, "MANIFEST.json"), "w"), indent=1)
     out, used = {}, {base: 0 for base in parts}
     for k, names in enumerate(calls):
@@ -202,7 +217,8 @@ def stage(bundle_dir, tree_bytes, limit_mib=64.0, margin_mib=0.25, max_calls=6):
             else:
                 carry.append(name)
         out[chr(ord("A") + k)] = carry + ["MANIFEST.json"]
-    out[chr(ord("A") + len(calls))] = ["jitcache.tgz", "MANIFEST.json"]
+    if not extras:
+        out[chr(ord("A") + len(calls))] = ["jitcache.tgz", "MANIFEST.json"]
     return out
 
 
@@ -223,7 +239,7 @@ def main(argv):
             print(json.dumps(r))
         return 1 if any(r["state"] == "corrupt" or r.get("bad_parts") for r in rows) else 0
     if cmd == "stage":
-        calls = stage(argv[2], int(argv[3]), float(argv[4]) if len(argv) > 4 else 64.0)
+        calls = stage(argv[2], int(argv[3]), float(argv[4]) if len(argv) > 4 else 64.0, extras=argv[5:])
         for k, names in calls.items():
             mib = sum(os.path.getsize(os.path.join(argv[2], n)) for n in names) / 2**20
             print(json.dumps({"call": k, "carry": [f"benchmarks/gpu/bundle/{n}" for n in names], "mib": round(mib, 2)}))

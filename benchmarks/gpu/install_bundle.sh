@@ -35,6 +35,11 @@ if ok fa3.so.xz && [ -f "$SITE/.installed" ] && [ ! -f "$SITE/.fa3" ]; then
     || { rm -f "$SITE/sgl_kernel/flash_ops.abi3.so"; echo "FA3: not installed (see $OUT/fa3_check.json)"; }
 fi
 if ok jitcache.tgz && [ ! -f "$STASH/.jit_restored" ]; then tar xzf "$STASH/jitcache.tgz" -C / 2>/dev/null && touch "$STASH/.jit_restored" && echo "restored JIT cache"; fi
+# flashinfer's JIT cache for sm90 (staged with `stage … flashinfer-jit-cache-sm90.tgz`): without it each flashinfer
+# server compiles for ~3.5 min
+if ok flashinfer-jit-cache-sm90.tgz && [ ! -f "$STASH/.fi_restored" ]; then
+  tar xzf "$STASH/flashinfer-jit-cache-sm90.tgz" -C / 2>/dev/null && touch "$STASH/.fi_restored" && echo "restored flashinfer JIT cache"
+fi
 # the same cache recompressed (plugin_smoke.sh pack: bundle/smoke/jitcache.txz, 1.3 MB instead of 3.8): carried
 # instead of jitcache.tgz when the site call's 64 MiB are short; checked against bundle/smoke/SHA256SUMS
 if [ ! -f "$STASH/.jit_restored" ] && [ -f "$B/smoke/jitcache.txz" ] && [ -f "$B/smoke/SHA256SUMS" ] \

@@ -88,6 +88,38 @@ def test_stage_fits_everything_but_the_jit_cache_into_the_fewest_calls(tmp_path,
         M.stage(str(b), int(50 * mib / 16), limit, 0.25 / 16)
 
 
+def test_stage_packs_fa3_and_the_flashinfer_cache_after_the_site(tmp_path):
+    """With extras, FA3 (118 MB in parts that alone outgrow a call beside a 25 MiB tree) is re-split at the calls'
+    boundaries and packed with the flashinfer and JIT caches after deep_gemm; every call stays under the limit
+    and the joined artifacts keep their sha256."""
+    b = tmp_path / "bundle"
+    b.mkdir()
+    mib = 2**20
+    gguf, site, fa3 = (os.urandom(k * mib // 16) for k in (94, 46, 118))
+    _write(b, "gguf.part00", gguf)
+    _write(b, "site.txz.part00", site)
+    for k in range(3):  # build_bundle.sh's 40 MiB parts
+        _write(b, f"fa3.so.xz.part{k:02d}", fa3[k * 40 * mib // 16:(k + 1) * 40 * mib // 16])
+    for n, k in (("aux.tgz", 0.17), ("deepgemm.tgz", 3.5), ("jitcache.tgz", 3.6),
+                 ("flashinfer-jit-cache-sm90.tgz", 9.9)):
+        _write(b, n, os.urandom(int(k * mib / 16)))
+    before = M.build_manifest(str(b))["artifacts"]
+    tree, limit = int(25 * mib / 16), 61.0 / 16
+    with pytest.raises(ValueError, match="not in"):
+        M.stage(str(b), tree, limit, 0.25 / 16, extras=["fa4.so.xz"])
+    calls = M.stage(str(b), tree, limit, 0.25 / 16, extras=["fa3.so.xz", "flashinfer-jit-cache-sm90.tgz"])
+    after = json.load(open(b / "MANIFEST.json"))["artifacts"]
+    assert {k: v["sha256"] for k, v in after.items()} == {k: v["sha256"] for k, v in before.items()}
+    for names in calls.values():
+        assert names[-1] == "MANIFEST.json"
+        assert sum(os.path.getsize(b / n) for n in names) + tree <= limit * mib
+    carried = sorted(n for names in calls.values() for n in names if n != "MANIFEST.json")
+    assert carried == sorted(p["name"] for a in after.values() for p in a["parts"])
+    cap = (limit - 0.25 / 16) * mib - tree - 4096
+    assert len(calls) == -(-sum(v["bytes"] for v in after.values()) // int(cap))  # no call wasted
+    assert "jitcache.tgz" in calls[max(calls)]
+
+
 def test_group_files_rejects_gaps():
     with pytest.raises(ValueError):
         M.group_files(["a.part00", "a.part02"])
