@@ -75,7 +75,7 @@ def main(log_level: str) -> None:
 @click.option("--status", "status_ep", help="Status endpoint to bind (REP). Default: ipc in the runtime dir.")
 @click.option("--state-dir", type=click.Path(file_okay=False),
               help="Where policy and model state persist (one daemon per state dir). "
-                   "Default: $SPECCTL_STATE_DIR, else $XDG_STATE_HOME/specctl, else ~/.local/state/specctl.")
+                   "Default: $XDG_STATE_HOME/specctl, else ~/.local/state/specctl.")
 @click.option("--refit-interval", default=1.0, show_default=True, type=click.FloatRange(min=0.01),
               help="Seconds between refits.")
 @click.option("--heartbeat", default=2.0, show_default=True, type=click.FloatRange(min=0.01),

@@ -21,19 +21,18 @@ def runtime_base(environ: Mapping[str, str]) -> Path:
 
 
 def state_base(environ: Mapping[str, str]) -> Path:
-    if environ.get("SPECCTL_STATE_DIR"):
-        return Path(environ["SPECCTL_STATE_DIR"])
+    """The daemon's state dir unless --state-dir names one: $XDG_STATE_HOME/specctl, else ~/.local/state/specctl."""
     if environ.get("XDG_STATE_HOME"):
         return Path(environ["XDG_STATE_HOME"]) / "specctl"
     return Path.home() / ".local" / "state" / "specctl"
 
 
-ENV_ENDPOINTS = {"telemetry": "SPECCTL_TELEMETRY", "publish": "SPECCTL_POLICY", "status": "SPECCTL_STATUS"}
+ENV_ENDPOINTS = {"telemetry": "SPECCTL_TELEMETRY", "publish": "SPECCTL_POLICY"}  # the plugin's names; status: --status
 
 
 def default_endpoints(environ: Mapping[str, str]) -> dict[str, str]:
-    """telemetry / publish / status endpoints; SPECCTL_TELEMETRY, SPECCTL_POLICY and
-    SPECCTL_STATUS override the runtime-dir defaults (same names as the plugin's)."""
+    """telemetry / publish / status endpoints in the runtime dir; SPECCTL_TELEMETRY and SPECCTL_POLICY (the
+    plugin's names, so one environment serves both sides) override the first two."""
     eps = transport.default_endpoints(runtime_base(environ))
     for name, var in ENV_ENDPOINTS.items():
         if environ.get(var):

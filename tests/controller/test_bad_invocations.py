@@ -99,7 +99,7 @@ CASES = [
 @pytest.mark.parametrize("name, argv, env_extra, want", CASES, ids=[c[0] for c in CASES])
 def test_bad_invocation_is_one_line_naming_the_problem(name, argv, env_extra, want, files, busy_port, tmp_path):
     values = {**{k: str(v) for k, v in files.items()}, "port": str(_free_port()), "busy": str(busy_port)}
-    env = {**os.environ, "SPECCTL_RUNDIR": str(tmp_path / "run"), "SPECCTL_STATE_DIR": str(tmp_path / "state")}
+    env = {**os.environ, "SPECCTL_RUNDIR": str(tmp_path / "run"), "XDG_STATE_HOME": str(tmp_path / "state")}
     env.pop("SPECCTL_CURVE_SECRET_KEY", None)
     env.pop("SPECCTL_CURVE_SERVER_KEY", None)
     env.update({k: v.format(**values) for k, v in env_extra.items()})

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import pytest
 
@@ -18,6 +19,17 @@ def test_the_table_documents_exactly_the_twelve_variables_and_every_patch():
     documented = re.findall(r"^\| `(SPECCTL_[A-Z_]+)` \|", OPERATOR_TABLE, re.M)
     assert documented == OPERATOR_VARS
     assert re.findall(r"^\| `([a-z0-9_]+)` \|", OPERATOR_TABLE, re.M) == list(PATCHES)
+
+
+def test_no_part_of_the_product_reads_a_variable_the_table_does_not_document():
+    """The plugin, the daemon and the commands name SPECCTL_* variables as string literals; every one of them is
+    one of the table's twelve (the daemon's state dir and status endpoint are options, not variables)."""
+    root = Path(__file__).resolve().parents[2]
+    named = set()
+    for pkg in ("plugin", "controller", "policies", "training", "harness"):
+        for f in (root / pkg).rglob("*.py"):
+            named |= set(re.findall(r"[\"'](SPECCTL_[A-Z0-9_]+)[\"']", f.read_text()))
+    assert named and named <= set(OPERATOR_VARS), sorted(named - set(OPERATOR_VARS))
 
 
 def test_the_defaults_are_the_patch_defaults():
