@@ -183,7 +183,8 @@ def stage(bundle_dir, tree_bytes, limit_mib=64.0, margin_mib=0.25, max_calls=6, 
     items = [("aux.tgz", size("aux.tgz"), False), ("gguf", total("gguf"), True),
              ("site.txz", total("site.txz"), True), ("deepgemm.tgz", size("deepgemm.tgz"), False)]
     if extras:
-        items += [(x, total(x), x in SPLITTABLE) for x in extras] + [("jitcache.tgz", size("jitcache.tgz"), False)]
+        items += [(x, total(x), x in SPLITTABLE) for x in extras]
+        items += [("jitcache.tgz", size("jitcache.tgz"), False)] if "jitcache.tgz" in groups else []
         max_calls += len(extras) * 3
     need = sum(n for _, n, _ in items)
     if cap <= 0 or need > max_calls * cap:
