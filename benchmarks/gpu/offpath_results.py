@@ -121,12 +121,12 @@ def clean_step_costs(log_dirs: list[str], concurrencies: list[int]) -> list[dict
     mix states (the runs' own repeats_clean_step_ms are per round)."""
     out = []
     for d in log_dirs:
-        logs = {log_policy(f): os.path.join(d, f) for f in sorted(os.listdir(d))
+        logs = {log_policy(f): open(os.path.join(d, f), errors="replace").read() for f in sorted(os.listdir(d))
                 if f.endswith(".log") and f != "run.log" and not log_policy(f).startswith("specctl")}
         for c in concurrencies:
             row: dict = {"logs": d, "concurrency": c}
-            for pol, path in logs.items():
-                r = parse_decode_lines(open(path, errors="replace").read(), c)
+            for pol, text in logs.items():
+                r = parse_decode_lines(text, c)
                 if r.get("clean_step_ms_med") and r["clean_lines"] >= MIN_CLEAN_WINDOWS:
                     row[pol] = {"ms": r["clean_step_ms_med"], "windows": r["clean_lines"]}
             ref = (row.get(NO_SPEC_POLICY) or {}).get("ms")
@@ -277,9 +277,9 @@ def build(benches: list[dict], calls: list[str], log_dirs: list[str] | None = No
         twice = folded_twice(r["policy"] for r in runs)
         if twice:
             raise SystemExit(f"offpath_results: call {i} ran policies that share a step-cost column: {twice}")
-        kernel = kernel_rows(runs)  # the s3 kernel rows: rec["splitkv"]
+        kernel = kernel_rows(runs)  # the s3 kernel rows: rec["splitkv"] (kernel_rows decides per policy)
         kernel_runs += kernel
-        runs = [r for r in runs if all(r is not k for k in kernel)]
+        runs = [r for r in runs if r["policy"] not in {k["policy"] for k in kernel}]
         pols = {step_name(r["policy"]) for r in runs}
         has_steps, has_sweep = bool(pols & (set(STEP_POLICIES) - {"off"})), bool(pols - set(STEP_POLICIES))
         step_runs += [r for r in runs if step_name(r["policy"]) in STEP_POLICIES and (r["policy"] != "off" or has_steps)]
