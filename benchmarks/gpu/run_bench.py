@@ -776,6 +776,12 @@ def main():
         """Warm-up, specctl's learning pass, the identity probe, the accept-length evaluation."""
         pol, srv = sv["policy"], result["servers"][sv["policy"]]
         asyncio.run(closed_loop(sv["port"], mixed[:8], 8, 8, 16))
+        # a burst at the call's largest batch, 4 tokens a request: the first full-size prefill chunks run here, not
+        # in a measured round (2026-12-07, H100, flashinfer, prefill graphs: an EAGLE-3 server's first 8,192-token
+        # chunk stalled 13 s inside its first c = 128 round; the no-spec server's did not); its wall time is kept
+        t_burst = time.time()
+        asyncio.run(closed_loop(sv["port"], mixed, maxc, maxc, 4))
+        srv["warmup_burst"] = {"concurrency": maxc, "s": round(time.time() - t_burst, 2)}
         if parse_policy(pol)["kind"] == "specctl" and a.specctl_learn:
             t_learn = time.time()
             for c in (int(x) for x in a.specctl_learn.split(",") if x):

@@ -189,6 +189,9 @@ def test_call_d_runs_end_to_end_against_the_stand_in_and_makes_the_record(tmp_pa
         assert probe["same_text_cache_flushed"] is True and len(probe["same_text_tokens"]) == 4
         assert 0 < max(probe["tail_from_tokens"]) < 8000 - 200
     assert set(bench["identity_ids"]) == set(pols)
+    # every server warmed at the call's largest batch (here the resync probe's 4 + 60) before anything is measured
+    assert all(bench["servers"][p]["warmup_burst"]["concurrency"] == 64 for p in pols)
+    assert all(bench["servers"][p]["warmup_burst"]["s"] > 0 for p in pols)
     # the no-spec server's margins, from a pass of their own whose ids are those of the plain pass
     assert len(bench["identity_margins"]) == 16 and bench["identity_margins_ids_same"] == 16
     assert all(len(m) == 24 and all(x is not None and x > 0 for x in m) for m in bench["identity_margins"].values())
