@@ -40,8 +40,9 @@ HOST_LENS = "+hostlens"  # plugin policy suffix: host_lens=check (a step after a
 NO_HOST_LENS = "+nohostlens"  # plugin policy suffix: host_lens=off (SGLang's device pull every step: the control)
 CATCHUP = "+catchup"  # plugin policy suffix: catchup=on (steps 0 extends the draft once per 16 steps-0 steps and before
 #                       the next draft, not every step: plugin/patches/catchup.py)
-CATCHUP4 = "+catchup4"  # plugin policy suffix: catchup=4 (a window of 4 steps: its eager draft extend covers 4 tokens a
-#                         request, not 16, and so allocates a quarter of the draft's logits: the prefill-cost A/B)
+CATCHUP4 = "+catchup4"  # plugin policy suffix: catchup=4 (a window of 4 steps: on an s3 launch it replays the s3
+#                         state's draft-extend CUDA graph, 4 tokens wide, instead of an eager extend of 16 tokens a
+#                         request whose logits are allocated each time: the prefill-cost A/B against +catchup)
 SCALAR_ALLOC = "+scalaralloc"  # plugin policy suffix: spec_alloc=off (0.5.17's speculative KV allocation reads each
 #                               request's length as a tensor scalar: the control of the plugin's default)
 # a plugin policy's suffix -> (parse_policy's field, its value, the plugin's patch (SPECCTL_PATCHES), its setting,

@@ -14,6 +14,11 @@ first (the rest go to the padding slot and are never read):
                                                       replace the stubs of the requests it extended
     AFTER  EagleDraftWorker._draft_extend_for_prefill  a prefilled request has nothing pending
 
+Where a runtime state's draft-extend CUDA graph is K tokens a request wide (catchup=4 on a launch with an s3
+state), the catch-up replays that graph (static buffers); otherwise it extends eagerly, allocating its window's
+logits each time (K = 16 with catchup=on: 16 rows a request; whether those allocations are what makes the
+prefill iterations dearer is what the catchup=4 A/B on the GPU is for).
+
 When to catch up is decided by counting steps alone; what is pending per request lives on the GPU (no
 sync). TP 1 only for now: a failure on one rank alone would leave the ranks extending the draft on
 different steps. Any failure turns it off for the rest of the process (logged once): the steps-0 steps extend the draft one by one again, and the requests pending at that
@@ -41,11 +46,15 @@ class DraftCatchup(PatchObject):
     """The rings, what is pending, and the step count of one EAGLE worker's draft. `torch` is given so
     that the CPU tests can run it on CPU tensors."""
 
-    def __init__(self, *, k: int, worker: Any, torch_mod: Any, patch: Optional[Patch] = None):
+    def __init__(self, *, k: int, worker: Any, torch_mod: Any, patch: Optional[Patch] = None, graph: Any = None):
         self.patch = patch if patch is not None else Patch(NAME, lost=LOST)
         if k < 2:
             raise ValueError(f"catchup needs a ring of at least 2 steps, not {k}")
         self.k = k
+        # a runtime state's draft-extend CUDA graph captured k tokens a request wide (graph_of_width), or None: the
+        # catch-up replays it (static buffers: no allocation, one launch) where SGLang's can_run_graph lets it (the
+        # batch within its sizes), else extends eagerly (a window of k rows a request, its logits allocated anew)
+        self.graph = graph
         self.torch = torch_mod
         self.worker = worker  # EAGLEWorkerV2: its own zero stubs for skipped draft outputs
         dw = worker._draft_worker
@@ -177,7 +186,7 @@ class DraftCatchup(PatchObject):
                                  accept_lens=w.pending.clamp(min=1).to(t.int32), next_token_ids=w.tokens,
                                  next_draft_input=SimpleNamespace(draft_probs=None, dsa_topk_indices=None),
                                  new_seq_lens=w.end, prepared_draft_extend_inputs=None)
-        with _attrs(dw, speculative_num_draft_tokens=self.k, cuda_graph_runner_for_draft_extend=None):
+        with _attrs(dw, speculative_num_draft_tokens=self.k, cuda_graph_runner_for_draft_extend=self.graph):
             self.extend_fn(dw, sub, result)
         self.pending.index_fill_(0, w.idx, 0)
         self.since = 0
@@ -223,6 +232,22 @@ def unsupported_reason(worker: Any, *, trees: bool, plain_reason: Optional[str],
     return None
 
 
+def graph_of_width(worker: Any, k: int) -> Any:
+    """The draft-extend CUDA graph runner of a built chain state that is k tokens a request wide
+    (SpecRuntimeState.cuda_graph_runner_for_draft_extend, captured_req_width k: the launch state at the launch's
+    draft tokens, every other chain state at steps + 1 with draft_graphs on 0.5.17 and by itself on 0.5.23), or
+    None. Read once at start-up from SGLang's adaptive controller, the same on every rank."""
+    states = getattr(getattr(worker, "adaptive_controller", None), "_states", None)
+    if not isinstance(states, dict):
+        return None
+    for _, state in sorted(states.items(), key=lambda kv: str(kv[0])):
+        runner = getattr(state, "cuda_graph_runner_for_draft_extend", None)
+        if (runner is not None and getattr(runner, "captured_req_width", None) == k
+                and getattr(state, "speculative_num_draft_tokens", None) == k):
+            return runner
+    return None
+
+
 def build(worker: Any, *, k: int, trees: bool, plain_reason: Optional[str],
           skip_zero_extend: bool = False, patch: Optional[Patch] = None) -> Optional[DraftCatchup]:
     """AFTER init_cuda_graphs, every TP rank: the catch-up, or None with the patch off and the reason logged once.
@@ -235,12 +260,15 @@ def build(worker: Any, *, k: int, trees: bool, plain_reason: Optional[str],
             return why
         import torch
 
-        return DraftCatchup(k=k, worker=worker, torch_mod=torch, patch=patch)
+        return DraftCatchup(k=k, worker=worker, torch_mod=torch, patch=patch, graph=graph_of_width(worker, k))
 
     cu = patch.build(make)
     if cu is not None:
         log.info("specctl: draft catch-up on: steps 0 extends the draft once per %d steps (and before the first "
-                 "draft after plain decode) instead of every step (SPECCTL_PATCHES=catchup=off: every step)", k)
+                 "draft after plain decode) instead of every step, %s (SPECCTL_PATCHES=catchup=off: every step)", k,
+                 "replaying the draft-extend CUDA graph of the state that is %d tokens wide where the batch fits it" % k
+                 if cu.graph is not None else
+                 "eagerly (no runtime state's draft-extend graph is %d tokens wide)" % k)
     return cu
 
 

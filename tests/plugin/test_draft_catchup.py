@@ -47,12 +47,36 @@ def step_of(srv, live):
     return b, res
 
 
-def run(H, schedule, k=None):
+class StandinGraph:
+    """A runtime state's draft-extend CUDA graph runner as SGLang's _draft_extend_for_decode uses it: can_run_graph
+    (the batch's width must be the captured one, its size within the captured sizes) and execute (here the toy
+    draft's forward: a replay computes what the eager forward does, into static buffers; 0.5.23 hands it the rows
+    to keep, selected in the graph before the LM head)."""
+
+    def __init__(self, draft, width, max_bs=8):
+        self.draft, self.captured_req_width, self.max_bs = draft, width, max_bs
+        self.replays: list = []
+
+    def can_run_graph(self, fb):
+        return fb.spec_info.num_tokens_per_req == self.captured_req_width and fb.seq_lens.numel() <= self.max_bs
+
+    def execute(self, fb, select_index=None):
+        self.replays.append([int(e) for e in fb.extend_seq_lens])
+        out = self.draft.forward(fb).logits_output
+        if select_index is None:
+            return out
+        return SimpleNamespace(next_token_logits=out.next_token_logits[select_index],
+                               hidden_states=out.hidden_states[select_index])
+
+
+def run(H, schedule, k=None, graph_bs=None):
     """schedule: list of (event, arg): ("prefill", {req: prompt len}) or ("off", None) (one steps-0 step of the
-    live requests) or ("finish", req). Extends per step as SGLang does (k None) or through the catch-up; then the
-    next speculative step's draft inputs. Returns (KV, draft inputs of the next step, live lengths, catch-up)."""
+    live requests) or ("finish", req). Extends per step as SGLang does (k None) or through the catch-up (with a
+    stand-in draft-extend graph k wide holding graph_bs requests, if given); then the next speculative step's draft
+    inputs. Returns (KV, draft inputs of the next step, live lengths, catch-up)."""
     srv = H.Server()
-    cu = dc.DraftCatchup(k=k, worker=srv.worker, torch_mod=torch) if k else None
+    graph = StandinGraph(srv.draft, k, graph_bs) if graph_bs else None
+    cu = dc.DraftCatchup(k=k, worker=srv.worker, torch_mod=torch, graph=graph) if k else None
     live: dict = {}
     last = {}
     for ev, arg in schedule:
@@ -112,6 +136,48 @@ def test_the_catch_up_leaves_the_draft_where_extending_every_step_does(H, n_off,
     assert cu.num_catchups == n_off // k + (1 if n_off % k else 0)
     windows = got[3].worker._draft_worker.draft_runner.calls
     assert all(w == [k, k] for w in windows) and len(windows) == cu.num_catchups
+
+
+@pytest.mark.parametrize("graph_bs,replayed", [(8, True), (1, False)])
+def test_a_catch_up_with_a_graph_of_its_width_replays_it_where_the_batch_fits(H, graph_bs, replayed):
+    """SGLang's own extend takes the graph when can_run_graph says so (two requests: within 8, not within 1) and
+    the eager forward otherwise; either way the draft ends where extending every step leaves it."""
+    sched = [("prefill", {1: 5, 2: 9})] + [OFF] * 10
+    ref, got = run(H, sched), run(H, sched, k=4, graph_bs=graph_bs)
+    assert_same_draft(ref, got, got[2])
+    cu = got[3]
+    assert cu.num_catchups == 3  # steps 4 and 8, and before the draft (2 pending)
+    replays = cu.graph.replays
+    assert replays == ([[4, 4]] * 3 if replayed else [])
+    assert len(cu.worker._draft_worker.draft_runner.calls) == 3  # the toy forward ran every catch-up, either way
+    assert cu.worker._draft_worker.cuda_graph_runner_for_draft_extend is None  # the steps-0 state's own, restored
+
+
+def _states(*widths):
+    """An adaptive controller's runtime states {steps: state}, each with a draft-extend runner of the given width
+    (None: no graph) and speculative_num_draft_tokens = steps + 1."""
+    return {steps: SimpleNamespace(speculative_num_draft_tokens=steps + 1,
+                                   cuda_graph_runner_for_draft_extend=None if w is None
+                                   else SimpleNamespace(captured_req_width=w, name=f"s{steps}"))
+            for steps, w in widths}
+
+
+@pytest.mark.parametrize("states,k,want", [
+    (_states((0, 1), (1, 2), (3, 4)), 4, "s3"),
+    (_states((0, 1), (1, 2), (3, 4)), 2, "s1"),
+    (_states((0, 1), (1, 2), (3, 4)), 16, None),
+    (_states((0, 1), (3, None)), 4, None),  # s3 built without a draft-extend graph
+    (_states((0, 4), (3, 1)), 4, None),  # a runner captured at another width than its state's
+])
+def test_the_graph_of_width_k_is_a_built_states_draft_extend_runner(states, k, want):
+    w = SimpleNamespace(adaptive_controller=SimpleNamespace(_states=states))
+    got = dc.graph_of_width(w, k)
+    assert (got is None) if want is None else (got.name == want)
+
+
+def test_without_an_adaptive_controller_there_is_no_graph():
+    assert dc.graph_of_width(SimpleNamespace(), 4) is None
+    assert dc.graph_of_width(SimpleNamespace(adaptive_controller=SimpleNamespace()), 4) is None
 
 
 def test_requests_joining_mid_stretch_catch_up_over_their_own_pending_tokens(H):
@@ -295,7 +361,11 @@ def test_build_says_why_not_and_builds_only_on_a_launch_that_can(H, caplog):
     msgs = [r.getMessage() for r in caplog.records]
     assert any("patch catchup off" in m and "sliding-window" in m for m in msgs)
     assert isinstance(cu, dc.DraftCatchup) and cu.k == 8 and cu.pending.shape == (srv.req_to_token.shape[0],)
-    assert any("draft catch-up on" in m for m in msgs)
+    assert cu.graph is None and any("draft catch-up on" in m and "eagerly" in m for m in msgs)
+    srv.worker.adaptive_controller = SimpleNamespace(_states=_states((0, 1), (3, 4)))
+    with caplog.at_level(logging.INFO, logger="specctl.plugin"):
+        cu = dc.build(srv.worker, k=4, trees=False, plain_reason=None)
+    assert cu.graph.name == "s3" and "replaying the draft-extend CUDA graph" in caplog.records[-1].getMessage()
 
 
 def test_the_runtime_builds_no_catch_up_when_its_hooks_are_missing(H, caplog):
