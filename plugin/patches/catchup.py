@@ -240,7 +240,7 @@ def graph_of_width(worker: Any, k: int) -> Any:
     states = getattr(getattr(worker, "adaptive_controller", None), "_states", None)
     if not isinstance(states, dict):
         return None
-    for _, state in sorted(states.items(), key=lambda kv: str(kv[0])):
+    for state in states.values():  # built in the same order on every rank
         runner = getattr(state, "cuda_graph_runner_for_draft_extend", None)
         if (runner is not None and getattr(runner, "captured_req_width", None) == k
                 and getattr(state, "speculative_num_draft_tokens", None) == k):
