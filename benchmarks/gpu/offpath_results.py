@@ -279,7 +279,8 @@ def build(benches: list[dict], calls: list[str], log_dirs: list[str] | None = No
             raise SystemExit(f"offpath_results: call {i} ran policies that share a step-cost column: {twice}")
         kernel = kernel_rows(runs)  # the s3 kernel rows: rec["splitkv"] (kernel_rows decides per policy)
         kernel_runs += kernel
-        runs = [r for r in runs if r["policy"] not in {k["policy"] for k in kernel}]
+        kernel_pols = {k["policy"] for k in kernel}
+        runs = [r for r in runs if r["policy"] not in kernel_pols]
         pols = {step_name(r["policy"]) for r in runs}
         has_steps, has_sweep = bool(pols & (set(STEP_POLICIES) - {"off"})), bool(pols - set(STEP_POLICIES))
         step_runs += [r for r in runs if step_name(r["policy"]) in STEP_POLICIES and (r["policy"] != "off" or has_steps)]
