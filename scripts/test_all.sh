@@ -22,7 +22,7 @@ sglang_side() {
     local pids=() rc=0
     "$PY" -m pytest -q -m sglang_sources > "$L/sources.log" 2>&1 & pids+=($!)
     for v in "${VERSIONS[@]}"; do
-        ".cache/sglang-$v/bin/python" -m pytest -q -m sglang tests/plugin tests/policies/test_baselines.py tests/gpu/test_tensor_dump.py tests/gpu/test_build_moe.py \
+        ".cache/sglang-$v/bin/python" -m pytest -q -m sglang tests/plugin tests/policies/test_baselines.py tests/gpu/test_tensor_dump.py tests/gpu/test_build_moe.py tests/gpu/test_gc_log.py \
             > "$L/plugin-$v.log" 2>&1 &
         pids+=($!)
     done

@@ -388,6 +388,31 @@ def request_stats(text, min_gap_ms=1.0, cap=None, finish_gap_ms=1.5):
     return out
 
 
+R_GC_END = re.compile(r"GC end: Time [\d.]+ \| Generation (\d+) \| Duration: ([\d.]+)s")
+
+
+def gc_summary(text, wall_s=None):
+    """SGLang's GC log lines (SGLANG_LOG_GC=1: the scheduler logs every collection's start and end, its duration in
+    0.1 ms) -> per generation the collections, their total and longest ms, and over all `ms` and, with wall_s (the
+    window's length), `ms_per_s`: the share of the window the scheduler's thread spent collecting. None without such
+    lines (a server launched without the variable, or a window with no collection)."""
+    per: dict = {}
+    for m in R_GC_END.finditer(text):
+        g = per.setdefault(f"gen{m.group(1)}", {"n": 0, "ms": 0.0, "max_ms": 0.0})
+        ms = float(m.group(2)) * 1000.0
+        g["n"] += 1
+        g["ms"] += ms
+        g["max_ms"] = max(g["max_ms"], ms)
+    if not per:
+        return None
+    for g in per.values():
+        g["ms"], g["max_ms"] = round(g["ms"], 1), round(g["max_ms"], 1)
+    out = {"ms": round(sum(g["ms"] for g in per.values()), 1), **dict(sorted(per.items()))}
+    if wall_s:
+        out["ms_per_s"] = round(out["ms"] / wall_s, 3)
+    return out
+
+
 def _runs(ts, gap_s):
     """Times -> the runs of them (sorted) whose neighbours are less than gap_s apart."""
     ts = sorted(ts)

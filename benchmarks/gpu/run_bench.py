@@ -641,6 +641,9 @@ def main():
     ap.add_argument("--request-stats", action="store_true",
                     help="every server logs each finished request's queue time (SGLang's ReqTimeStats); the bench "
                          "JSON summarises it per server (`request_stats`): how arrivals cluster, how long they wait")
+    ap.add_argument("--log-gc", action="store_true",
+                    help="every server with SGLANG_LOG_GC=1 (its scheduler logs each garbage collection): each run's "
+                         "and phase run's `gc` gives the collections in its window per generation (benchlib.gc_summary)")
     ap.add_argument("--open-loop", default="",
                     help="request rates (req/s, comma list): after the levels, SGLang's own client (python -m "
                          "sglang.bench_serving --backend sglang: Poisson arrivals, the MT-Bench/HumanEval prompts as a "
@@ -713,6 +716,8 @@ def main():
             json.dump(cfg, open(cp, "w"))
             args += ["--speculative-adaptive-config", cp]
         env = dict(os.environ, **env_extra)
+        if a.log_gc:
+            env["SGLANG_LOG_GC"] = "1"
         if model_env:  # the MoE target: SGLang imports its model class from the testbed's external package
             env = SC.with_pythonpath(dict(env, **model_env["env"]), model_env["path"])
         side = None
@@ -837,7 +842,10 @@ def main():
         time.sleep(0.3)
         with open(sv["log"]) as f:
             f.seek(off)
-            r["log"] = parse_decode_lines(f.read(), c)
+            text = f.read()
+        r["log"] = parse_decode_lines(text, c)
+        if a.log_gc:
+            r["gc"] = B.gc_summary(text, wall)
         r["t_start"] = round(time.time() - wall - T0, 1)
         return r
 
@@ -852,6 +860,8 @@ def main():
             row["repeats_step_lines"] = [r["log"].get("n_lines", 0) for r in reps]
             row["repeats_clean_step_ms"] = [r["log"].get("clean_step_ms_med") for r in reps]
             row["repeats_clean_lines"] = [r["log"].get("clean_lines", 0) for r in reps]
+            if a.log_gc:
+                row["repeats_gc_ms_per_s"] = [(r.get("gc") or {}).get("ms_per_s", 0.0) for r in reps]
             row["spread"] = round((max(tps) - min(tps)) / med["output_tokens_per_s"], 4) if med["output_tokens_per_s"] else None
         result["runs"].append(row)
         log(f"{pol} c={c}: {row['output_tokens_per_s']} tok/s, tpot med {row['median_tpot_ms']} ms, "
@@ -877,6 +887,7 @@ def main():
             lines = f.read()
         sw = re.findall(r"Adaptive spec params updated: steps (\d+) -> (\d+)", lines)
         row = {"policy": pol, **summarize_requests(outs, wall), "adaptive_switches": len(sw), "phases": phases,
+               **({"gc": B.gc_summary(lines, wall)} if a.log_gc else {}),
                "per_phase": phase_summary(outs, phases, t_first), "phase_set": a.phase_set,
                "t_start": round(time.time() - wall - T0, 1)}
         result["phase_runs"].append(row)
