@@ -112,9 +112,13 @@ class ControllerService:
                     log.warning("model state unusable (%s); starting with an empty model", e)
                     self.model.fit([])
         if settings.mode == "fixed":
-            version = (loaded.version + 1) if loaded is not None and loaded.source != "fixed" else (
-                loaded.version if loaded is not None else 1)
-            self.policy = self._record(fallback, version=version, source="fixed")
+            # a version names one table: the persisted fixed table again keeps its number, anything else (a learned
+            # policy, or a fixed one of another threshold or config) gets the next, so that engines log the change
+            # and the decision audit can tell the tables apart
+            self.policy = self._record(fallback, version=1, source="fixed")
+            if loaded is not None:
+                same = loaded.source == "fixed" and loaded.table == self.policy.table
+                self.policy = self.policy.model_copy(update={"version": loaded.version + (0 if same else 1)})
             if loaded is None or loaded.table != self.policy.table:
                 self._persist_policy()
         elif loaded is not None:

@@ -106,6 +106,23 @@ def test_fixed_mode_never_changes_the_table():
     assert table(svc).lookup(1) == (1, 1, 2)
 
 
+def test_a_fixed_daemon_restarted_with_another_table_publishes_a_new_version(tmp_path):
+    """A version names one table: restarting `--mode fixed` with the same threshold keeps the version, another
+    threshold or config gets the next one (the engines log a change of version, and the audit keys tables by it)."""
+    def fixed(threshold, config=(3, 1, 4)):
+        return ControllerService(ServiceSettings(mode="fixed", threshold=threshold, fixed_config=config),
+                                 clock=Clock(), store=StateStore(tmp_path))
+    assert fixed(5).policy.version == 1
+    assert fixed(5).policy.version == 1  # the same table again
+    svc = fixed(1000)
+    assert svc.policy.version == 2 and table(svc).lookup(999) == (3, 1, 4)
+    svc = fixed(1000, (1, 1, 2))
+    assert svc.policy.version == 3 and table(svc).lookup(1) == (1, 1, 2)
+    assert StateStore(tmp_path).load_policy().version == 3
+    svc = fixed(5)  # back to the first table: still a change from what was in force
+    assert svc.policy.version == 4 and table(svc).spec_off_crossover() == 5
+
+
 def test_restart_resumes_policy_and_model(tmp_path):
     clock = Clock()
     svc = ControllerService(ServiceSettings(refit_interval_s=1), clock=clock, store=StateStore(tmp_path))
