@@ -83,6 +83,20 @@ SERVER_FLAGS = {
 }
 
 
+# any policy's suffix -> what the harness does to that server once it is warm: +freezegc posts SGLang's /freeze_gc
+# (gc.freeze() in the scheduler and the detokenizer, as SGLang's own long-collection warning advises): with
+# --log-gc, whether the collections inside the measured windows are what a server's extra host time is
+SERVER_ACTIONS = {"+freezegc": "freeze_gc"}
+R_GC_FROZEN = re.compile(r"Freezing GC in Scheduler process\. gen0: (\d+)->(\d+), gen1: (\d+)->(\d+), gen2: (\d+)->(\d+)")
+
+
+def gc_frozen(text):
+    """SGLang's log line of /freeze_gc in the scheduler -> the objects each generation held before the freeze
+    (what a full collection walks from then on is what was allocated after it), or None without the line."""
+    m = R_GC_FROZEN.search(text)
+    return None if m is None else {"gen0": int(m.group(1)), "gen1": int(m.group(3)), "gen2": int(m.group(5))}
+
+
 def parse_policy(pol):
     """'off' | 'static:C' | 'threshold:T:C' | 'plugin-fixed:T:C' | 'sglang-adaptive' | 'specctl' | 'specctl:TREE'
     -> dict; C is a configuration: sN (chain), tree (the seed operator's s2k4n16) or sNkKnD.
@@ -95,9 +109,9 @@ def parse_policy(pol):
     (its steps-0 state no longer extends the draft; an upshift then drafts from stale state); a plugin policy
     in +verify, +deg / +nodeg, +splitkv / +stockverify, +lp, +fi / +nofi, +fihost, +hostlens / +nohostlens,
     +catchup / +catchup4, +scalaralloc, in any order: each one patch's setting in SPECCTL_PATCHES (PLUGIN_SWITCHES). Any policy may end in +nooverlap (--disable-overlap-schedule) and +eager
-    (--disable-cuda-graph): SERVER_FLAGS."""
+    (--disable-cuda-graph): SERVER_FLAGS; and in +freezegc (SERVER_ACTIONS: SGLang's /freeze_gc once it is warm)."""
     base, suffixes = pol, set()
-    known = (SKIP_DE, *PLUGIN_SWITCHES, *SERVER_FLAGS)
+    known = (SKIP_DE, *PLUGIN_SWITCHES, *SERVER_FLAGS, *SERVER_ACTIONS)
     for suffix in known * len(known):
         if base.endswith(suffix):
             base, _ = base[:-len(suffix)], suffixes.add(suffix)
@@ -116,6 +130,9 @@ def parse_policy(pol):
     flags = [f for suffix, fl in SERVER_FLAGS.items() if suffix in suffixes for f in fl]
     if flags:
         p["server_flags"] = flags
+    for suffix, action in SERVER_ACTIONS.items():
+        if suffix in suffixes:
+            p[action] = True
     return p
 
 
@@ -736,7 +753,7 @@ def path_config(pol, max_level):
     measure no one configuration of one build give None: thresholds that switch inside the sweep, trees,
     SGLang's adaptive policy, specctl, eager / overlap-off servers, any other mix of plugin switches."""
     p = parse_policy(pol)
-    if p.get("server_flags") or p.get("skip_zero_draft_extend"):
+    if p.get("server_flags") or p.get("skip_zero_draft_extend") or any(p.get(x) for x in SERVER_ACTIONS.values()):
         return None
     if p["kind"] == "off":
         return "nospec", "off"

@@ -37,6 +37,7 @@ launched with an adaptive config whose candidates are 0..3; an unmeasured learni
 telemetry to a daemon: the same server with and without the plugin; plugin-fixed:1:sN = steps 0 at every batch
 size). Any adaptive policy may end in +skipde (SGLANG_SPEC_SKIP_ZERO_STEP_DRAFT_EXTEND=1 on its server), a plugin
 policy in +verify (SPECCTL_PATCHES=plain_decode=off: "off" is SGLang's 1-token trivial verify, not the plugin's decode state).
+Any policy may end in +freezegc (SGLang's /freeze_gc once warm: benchlib.SERVER_ACTIONS); --log-gc counts each window's collections.
 --resync POLS runs the draft-resync probe on those servers first (before anything else reaches them): see resync_probe.
 specctl is installed as a PYTHONPATH folder (specctl_side.make_site), no wheel needed.
 Writes OUT/bench-<variant>.json (the results format of issue 5), OUT/profile-<variant>.json, OUT/<policy>.log,
@@ -96,6 +97,21 @@ def flush_cache(port):
             pass
         time.sleep(0.3)
     return False
+
+
+def freeze_gc(sv):
+    """SGLang's /freeze_gc on a warm server -> the objects per generation its scheduler froze (its log line), or
+    {"error": ...}: a server that refuses is measured as it is, and the record says so."""
+    try:
+        code, _ = http(sv["port"], "/freeze_gc", {}, t=30)
+    except Exception as e:  # noqa: BLE001 - urllib raises on 4xx / 5xx
+        return {"error": f"{type(e).__name__}: {e}"[:300]}
+    for _ in range(20):  # the scheduler logs the freeze after the HTTP answer
+        got = B.gc_frozen(open(sv["log"], errors="replace").read())
+        if got is not None:
+            return got
+        time.sleep(0.25)
+    return {"error": f"/freeze_gc answered {code}, but the scheduler logged no freeze"}
 
 
 OPENLOOP_SHIM = os.path.join(os.path.dirname(os.path.abspath(__file__)), "openloop_shim")
@@ -787,6 +803,8 @@ def main():
         t_burst = time.time()
         asyncio.run(closed_loop(sv["port"], mixed, maxc, maxc, 4))
         srv["warmup_burst"] = {"concurrency": maxc, "s": round(time.time() - t_burst, 2)}
+        if parse_policy(pol).get("freeze_gc"):  # warm: what is alive now lives on (+freezegc)
+            srv["gc_frozen"] = freeze_gc(sv)
         if parse_policy(pol)["kind"] == "specctl" and a.specctl_learn:
             t_learn = time.time()
             for c in (int(x) for x in a.specctl_learn.split(",") if x):

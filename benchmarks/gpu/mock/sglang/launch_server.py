@@ -19,10 +19,23 @@ def logger():
         time.sleep(0.02)
         n = state["running"]
         if n:
+            for _ in range(300):  # a step's host work leaves cyclic garbage only the collector frees, as a scheduler's does
+                cyc = []; cyc.append(cyc)
             acc_len = 1 + steps * 0.5 if spec else 1.0
             acc = f"accept len: {acc_len:.2f}, " if spec else ""
             print(f"[x] Decode batch, #running-req: {n}, #token: {state['tokens']}, token usage: 0.01, {acc}gen throughput (token/s): {n * acc_len / step_s():.2f}, #queue-req: 0", flush=True)
 threading.Thread(target=logger, daemon=True).start()
+import gc, os
+if os.environ.get("SGLANG_LOG_GC") == "1":  # as SGLang's configure_gc_logger: this process's own collections
+    gc_t0 = {}
+    def gc_log(phase, info):
+        g = info.get("generation", "?")
+        if phase == "start":
+            gc_t0[g] = time.time(); print(f"[x] GC start: Time {time.time()} | Generation {g}", flush=True)
+        else:
+            print(f"[x] GC end: Time {time.time()} | Generation {g} | Duration: {time.time() - gc_t0.get(g, time.time()):.4f}s | "
+                  f"Collected: {info.get('collected', '?')} | Uncollectable: {info.get('uncollectable', '?')} ", flush=True)
+    gc.callbacks.append(gc_log)
 class H(BaseHTTPRequestHandler):
     def log_message(self, *a): pass
     def do_GET(self):
@@ -37,6 +50,13 @@ class H(BaseHTTPRequestHandler):
             ok = state["running"] == 0
             print("Cache flushed successfully!" if ok else "Cache not flushed: requests are running", flush=True)
             self.send_response(200 if ok else 400); self.end_headers(); self.wfile.write(b"flushed" if ok else b"busy")
+            return
+        if self.path == "/freeze_gc":  # SGLang: gc.freeze() in the scheduler, which logs the objects it froze
+            before = [len(gc.get_objects(g)) for g in range(3)]
+            gc.freeze()
+            after = [len(gc.get_objects(g)) for g in range(3)]
+            print("[x] Freezing GC in Scheduler process. " + ", ".join(f"gen{g}: {before[g]}->{after[g]}" for g in range(3)), flush=True)
+            self.send_response(200); self.end_headers(); self.wfile.write(b"Garbage collection frozen.\n")
             return
         if self.path == "/start_profile":  # a small chrome trace of body["num_steps"] decode steps, as SGLang writes it
             import gzip, os
