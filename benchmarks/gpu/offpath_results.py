@@ -358,6 +358,19 @@ def build(benches: list[dict], calls: list[str], log_dirs: list[str] | None = No
             stats.append({"call": calls[i] if i < len(calls) else i, "servers": per})
     if stats:
         rec["request_stats"] = stats
+    gcs = []
+    for i, b in enumerate(benches):  # run_bench --log-gc / +freezegc: the collections in each measured window
+        rows = [{"policy": issue_name(shipped(r["policy"])), "concurrency": r.get("concurrency"),
+                 "gc_ms_per_s": r.get("repeats_gc_ms_per_s") or [(r.get("gc") or {}).get("ms_per_s", 0.0)],
+                 "median_run": r.get("gc")} for r in b.get("runs", []) if "gc" in r]
+        rows += [{"policy": issue_name(shipped(r["policy"])), "phase_run": k, "gc": r.get("gc")}
+                 for k, r in enumerate(b.get("phase_runs", [])) if "gc" in r]
+        frozen = {issue_name(shipped(k)): v["gc_frozen"] for k, v in (b.get("servers") or {}).items()
+                  if isinstance(v, dict) and v.get("gc_frozen")}
+        if rows or frozen:
+            gcs.append({"call": calls[i] if i < len(calls) else i, "runs": rows, "frozen": frozen})
+    if gcs:
+        rec["gc"] = gcs
     profiles = {k: v for b in benches for k, v in (b.get("profiles") or {}).items()}
     if profiles:  # trace_steps.py's reductions (per-step medians: GPU busy / idle, syncs, launches)
         rec["profiles"] = {k: (v.get("median", v) if isinstance(v, dict) else v) for k, v in profiles.items()}

@@ -92,3 +92,12 @@ def test_freezegc_and_log_gc_run_against_the_stand_in(tmp_path, bench_prompts, p
     # the stand-in leaves cyclic garbage every step: each window holds collections
     assert all(row["gc"]["gen0"]["n"] >= 1 and row["gc"]["ms_per_s"] >= 0 for row in rows), [r["gc"] for r in rows]
     assert B.path_config("off+freezegc", 16) is None and B.path_config("off", 16) == ("nospec", "off")
+    # the record keeps every window's collections and what each frozen server froze
+    import offpath_results as O
+
+    rec = O.build([bench], ["stand-in"])
+    (g,) = rec["gc"]
+    assert g["frozen"] == {"off+freezegc": frozen}
+    assert sorted((x["policy"], x["concurrency"]) for x in g["runs"]) == [
+        ("no-spec", 4), ("no-spec", 16), ("off+freezegc", 4), ("off+freezegc", 16)]
+    assert all(len(x["gc_ms_per_s"]) == 2 for x in g["runs"])
