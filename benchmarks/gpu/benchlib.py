@@ -110,6 +110,8 @@ def parse_policy(pol):
     in +verify, +deg / +nodeg, +splitkv / +stockverify, +lp, +fi / +nofi, +fihost, +hostlens / +nohostlens,
     +catchup / +catchup4, +scalaralloc, in any order: each one patch's setting in SPECCTL_PATCHES (PLUGIN_SWITCHES). Any policy may end in +nooverlap (--disable-overlap-schedule) and +eager
     (--disable-cuda-graph): SERVER_FLAGS; and in +freezegc (SERVER_ACTIONS: SGLang's /freeze_gc once it is warm)."""
+    if "@" in pol:  # a run of a pinned server: the server's policy, then the configuration in force
+        return pinned_run(pol)
     base, suffixes = pol, set()
     known = (SKIP_DE, *PLUGIN_SWITCHES, *SERVER_FLAGS, *SERVER_ACTIONS)
     for suffix in known * len(known):
@@ -122,7 +124,7 @@ def parse_policy(pol):
         p["skip_zero_draft_extend"] = True
     for suffix, (field_, value, _, _, why) in PLUGIN_SWITCHES.items():
         if suffix in suffixes:
-            if p["kind"] not in ("specctl", "plugin-fixed"):
+            if p["kind"] not in ("specctl", "plugin-fixed", "pinned"):
                 raise ValueError(f"{pol!r}: {suffix} needs a plugin policy ({why})")
             if p.get(field_, value) is not value:
                 raise ValueError(f"{pol!r}: two suffixes set the plugin's {field_} both ways")
@@ -152,6 +154,44 @@ def parse_config(tok):
     raise ValueError(f"unknown configuration {tok!r} (sN, tree or sNkKnD)")
 
 
+PIN_ALL = 1_000_000  # a pinned run's threshold: its configuration below it, i.e. at every batch size
+
+
+def pinned_run(pol):
+    """'pinned:C1/C2/...[+suffixes]@PIN' -> the run's policy dict: a pinned server (one plugin server, online, with
+    the decode state and a runtime state per Ci; run_bench publishes one table at a time, no daemon) measured
+    while the table ran PIN ('off' or one of the Ci) at every batch size. It decides as plugin-fixed:1:C1 (PIN off)
+    or plugin-fixed:PIN_ALL:PIN would, so it is read as that (cost profiles: path_config), plus `pinned` (the
+    server's policy) and `pin`."""
+    server, _, pin = pol.rpartition("@")
+    p = parse_policy(server)
+    if p["kind"] != "pinned":
+        raise ValueError(f"{pol!r}: only a pinned:... server's runs carry @CONFIG")
+    if pin == "off":
+        cfg, threshold = p["configs"][0], 1
+    else:
+        cfg, threshold = parse_config(pin), PIN_ALL
+        if cfg not in p["configs"]:
+            raise ValueError(f"{pol!r}: {pin} is not among the server's configurations")
+    return dict(p, kind="plugin-fixed", threshold=threshold, steps=cfg[0], config=cfg, pinned=server, pin=pin)
+
+
+def pinned_fallback_config(p):
+    """The configuration of a pinned server's fallback (SPECCTL_FALLBACK 1:C: plain decode at every batch size; C
+    only names a built state): its first chain, else its first configuration."""
+    return next((c for c in p["configs"] if c[1] == 1), p["configs"][0])
+
+
+def pin_names(p):
+    """The configurations a pinned server's runs go through, in order: the decode state first."""
+    return ["off", *(config_name(c) for c in p["configs"])]
+
+
+def pin_rows(pin):
+    """The table a pinned server publishes for PIN: one row from batch 1 (specctl_side.policy_obj rows)."""
+    return [(1, None, OFF if pin == "off" else parse_config(pin))]
+
+
 def _parse_policy(pol):
     if pol == "off":
         return {"kind": "off"}
@@ -160,6 +200,16 @@ def _parse_policy(pol):
     if pol == "specctl-noctx":  # specctl with its daemon on --no-ctx-axis: one table for any context
         return {"kind": "specctl", "ctx_axis": False}
     parts = pol.split(":")
+    if parts[0] == "pinned" and len(parts) == 2:
+        configs = [parse_config(x) for x in parts[1].split("/") if x]
+        if not configs or any(c[0] == 0 for c in configs) or len(set(configs)) != len(configs):
+            raise ValueError(f"{pol!r}: pinned:C1/C2/... names each speculative configuration once (the decode "
+                             f"state comes with every pinned server)")
+        from specctl.plugin.launch_args import candidate_problem
+        why = candidate_problem([OFF, *configs])
+        if why:
+            raise ValueError(f"{pol!r}: {why}")
+        return {"kind": "pinned", "configs": configs}
     if parts[0] == "specctl" and len(parts) == 2:  # specctl choosing among off, its launch chain and a tree
         c = parse_config(parts[1])
         if c[1] == 1:
@@ -229,6 +279,14 @@ def _launch_args(p, draft, specctl_max_steps):
         return [], {}, None
     if p["kind"] == "static":
         return eagle_args(draft, *p["config"]), {}, None
+    if p["kind"] == "pinned":  # specctl's own launch for its configurations, online, no daemon (run_bench pins)
+        from specctl.plugin import launch_args
+        la = launch_args.build([OFF, *p["configs"]], mode="online", fallback_threshold=1,
+                               fallback_config=pinned_fallback_config(p))
+        i = la.flags.index("--speculative-adaptive-config")
+        env = {k: v for k, v in la.env.items() if k not in ("SPECCTL_SERVER_ID", "SPECCTL_MODE")}
+        return (la.flags[:i] + la.flags[i + 2:] + ["--speculative-draft-model-path", draft],
+                dict(env, SGLANG_PLUGINS="specctl"), la.adaptive_config)
     if p.get("config", (0, 1))[1] > 1:  # plugin-fixed:T:tree, specctl:tree
         flags, env, cfg, _ = tree_launch(p)
         return flags + ["--speculative-draft-model-path", draft], dict(env, SGLANG_PLUGINS="specctl"), cfg

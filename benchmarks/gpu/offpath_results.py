@@ -57,7 +57,12 @@ def step_name(pol: str) -> str:
     nothing on the loads' steps, which ask for none; +fi (the decode state on flashinfer) is the decode state
     of a flashinfer call (the record's attention_backend); +hostlens (host_lens) is the decode state
     with its lengths kept on the host (the record's calls name it). Two policies of one call with one step name
-    are refused (`folded_twice`)."""
+    are refused (`folded_twice`). A pinned server's run under `off` (run_bench's pinned:C1/...@off) is the decode state
+    of that server's build: plugin-fixed:1:s3 with the server's suffixes."""
+    server, at, pin = pol.rpartition("@")
+    if at and pin == "off" and server.startswith("pinned:"):
+        suffix = server[server.index("+"):] if "+" in server else ""
+        pol = DECODE_STATE + suffix
     return re.sub(r"\+(lp|fi|hostlens)(?=\+|$)", "", pol)
 
 

@@ -37,6 +37,9 @@ launched with an adaptive config whose candidates are 0..3; an unmeasured learni
 telemetry to a daemon: the same server with and without the plugin; plugin-fixed:1:sN = steps 0 at every batch
 size). Any adaptive policy may end in +skipde (SGLANG_SPEC_SKIP_ZERO_STEP_DRAFT_EXTEND=1 on its server), a plugin
 policy in +verify (SPECCTL_PATCHES=plain_decode=off: "off" is SGLang's 1-token trivial verify, not the plugin's decode state).
+pinned:C1/C2/... is one plugin server (online, no daemon) whose runs go through off (the decode state), C1, C2, ... in
+turn: run_bench publishes each table itself (specctl_side.Override) and waits until the plugin logs it in force;
+rows `pinned:...@C` (benchlib.pinned_run), decisions audited against every table published.
 Any policy may end in +freezegc (SGLang's /freeze_gc once warm: benchlib.SERVER_ACTIONS); --log-gc counts each window's collections.
 --resync POLS runs the draft-resync probe on those servers first (before anything else reaches them): see resync_probe.
 specctl is installed as a PYTHONPATH folder (specctl_side.make_site), no wheel needed.
@@ -581,6 +584,31 @@ def finish_plugin_run(sv, srv, out):
         log("specctl finish failed:", repr(e)[:300])
 
 
+def finish_pinned_run(sv, srv):
+    """A pinned server's end: stop publishing; audit its decision log against every table published (lines `F`: its
+    fallback, plain decode at every batch size); keep the switches (how long each took to come in force)."""
+    try:
+        sv["pinner"].stop()
+        from specctl.policies.fixed import fixed_threshold
+        fb = fixed_threshold(1, B.pinned_fallback_config(parse_policy(sv["policy"])))
+        dec = SC.read_decisions(os.path.join(sv["sdir"], "decisions-rank0.txt"))
+        published = sv["pinner"].published
+        aud = SC.audit_decisions(dec, published, fallback=fb)
+        aud["sglang_switch_lines"] = SC.count_switch_lines(open(sv["log"], errors="replace").read())
+        aud["policy_versions_seen"] = len(published)
+        aud["pin_switches"] = sv["pin_switches"]
+        srv["specctl"] = aud
+        with open(os.path.join(sv["sdir"], "policies.json"), "w") as f:
+            json.dump({"policies": [dict(version=v, policy=x) for v, x in sorted(published.items())],
+                       "pin_switches": sv["pin_switches"]}, f, indent=1)
+        slow = [x for x in sv["pin_switches"] if x["s"] is None]
+        log(f"{sv['policy']}: {aud['checked']}/{aud['decisions']} decisions audited, match {aud['match_frac']}, "
+            f"{len(sv['pin_switches'])} pins ({len(slow)} never in force)")
+    except Exception as e:  # noqa: BLE001 - the benchmark rows stay; say what failed
+        srv["specctl_error"] = repr(e)[:300]
+        log("pinned finish failed:", repr(e)[:300])
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True)
@@ -705,7 +733,8 @@ def main():
     shared = dict(max_total_tokens=a.max_total_tokens, prefill_graph=a.prefill_graph, request_stats=a.request_stats,
                   attention_backend=a.attention_backend, radix_cache=not a.no_radix_cache)
     plugin_pols = [p for p in policies if parse_policy(p)["kind"] in ("specctl", "plugin-fixed")]
-    site = SC.make_site(a.specctl_site) if plugin_pols else None
+    pinned_pols = [p for p in policies if parse_policy(p)["kind"] == "pinned"]
+    site = SC.make_site(a.specctl_site) if plugin_pols or pinned_pols else None
     model_env, model_name = target_env(a.model, a.variant)
     result = {"gpu": None, "sglang": "0.5.17", "attention_backend": a.attention_backend, "model": model_name,
               "variant": a.variant, "draft": a.draft, "new_tokens": a.new_tokens, "new_tokens_spread": a.new_tokens_spread, "prompts": "MT-Bench turn 1 + HumanEval (chat)",
@@ -728,7 +757,7 @@ def main():
         flags = fraction_args(pol)  # first: a server that does not fit starts nothing, its daemon neither
         args, env_extra, cfg = policy_launch_args(pol, a.draft)
         if cfg is not None:
-            cp = os.path.join(a.out, f"adaptive-{pol.replace(':', '_')}.json")
+            cp = os.path.join(a.out, f"adaptive-{pol.replace(':', '_').replace('/', '-')}.json")
             json.dump(cfg, open(cp, "w"))
             args += ["--speculative-adaptive-config", cp]
         env = dict(os.environ, **env_extra)
@@ -759,8 +788,22 @@ def main():
                                      decision_log=os.path.join(sdir, "decisions-rank{rank}.txt")))
             env.update(env_extra)  # plugin-fixed: its threshold and config
             env = SC.with_pythonpath(env, site)  # keeps the model package's path
-        lp = os.path.join(a.out, f"{a.variant}-{pol.replace(':', '_')}.log")
-        return {"policy": pol, "side": side, **start_server(a.model, port, flags + args, env, lp)}
+        pin = {}
+        if pol in pinned_pols:  # no daemon: this process publishes one table at a time (ensure_pin), the decode state first
+            sdir = os.path.join(a.out, f"specctl-{pol.replace(':', '_').replace('/', '-')}")
+            os.makedirs(sdir, exist_ok=True)
+            rundir = f"/tmp/specctl-run-{port}"
+            os.makedirs(rundir, mode=0o700, exist_ok=True)
+            os.chmod(rundir, 0o700)
+            pin = {"pinner": SC.Override(rundir, B.pin_rows("off"), version=1), "pin": "off", "pin_version": 1,
+                   "pin_switches": [], "sdir": sdir}
+            pin["pinner"].start()
+            env.update(SC.plugin_env(mode="online", rundir=rundir, server_id=f"{a.variant}-pinned-{port}",
+                                     decision_log=os.path.join(sdir, "decisions-rank{rank}.txt")))
+            env.update(env_extra)
+            env = SC.with_pythonpath(env, site)
+        lp = os.path.join(a.out, f"{a.variant}-{pol.replace(':', '_').replace('/', '-')}.log")
+        return {"policy": pol, "side": side, **pin, **start_server(a.model, port, flags + args, env, lp)}
 
     def fraction_args(pol):
         """The flags every server shares, with this one's --mem-fraction-static (fit: from the memory free now)."""
@@ -851,8 +894,44 @@ def main():
             result.setdefault("accept_eval", {})[pol] = acc
             log(f"{pol} accept length: mtbench {acc['mtbench']['accept_length']}, humaneval {acc['humaneval']['accept_length']}")
 
+    def expand_pinned(live):
+        """A pinned server's runs, one entry per configuration (the decode state first), sharing its process: each
+        measurement of an entry first puts its configuration in force (ensure_pin)."""
+        out = []
+        for sv in live:
+            p = parse_policy(sv["policy"])
+            if p["kind"] != "pinned":
+                out.append(sv)
+                continue
+            out += [{"policy": f"{sv['policy']}@{pin}", "base": sv, "pin": pin, "port": sv["port"], "log": sv["log"],
+                     "proc": sv["proc"], "side": None} for pin in B.pin_names(p)]
+        return out
+
+    def ensure_pin(sv, c):
+        """Publish sv's configuration at every batch size unless it is in force, and wait until the plugin has put
+        it in force (its log line `specctl: policy vN`, at a sync boundary: decode steps of a few short requests)."""
+        base = sv.get("base")
+        if base is None or base["pin"] == sv["pin"]:
+            return
+        base["pin_version"] += 1
+        ver, t0 = base["pin_version"], time.time()
+        off = os.path.getsize(sv["log"])
+        base["pinner"].set(B.pin_rows(sv["pin"]), ver)
+        base["pin"] = sv["pin"]
+        k = max(1, min(c, 4))
+        while time.time() - t0 < 60:  # the engine applies a table at a sync boundary (every 16 decode results)
+            asyncio.run(closed_loop(sv["port"], mixed, k, k, 32))
+            with open(sv["log"], errors="replace") as f:
+                f.seek(off)
+                if f"specctl: policy v{ver} (" in f.read():
+                    base["pin_switches"].append({"pin": sv["pin"], "version": ver, "s": round(time.time() - t0, 2)})
+                    return
+        base["pin_switches"].append({"pin": sv["pin"], "version": ver, "s": None})
+        log(f"{sv['policy']}: policy v{ver} not in force after {time.time() - t0:.0f} s (the audit will say)")
+
     def measure(sv, c):
         """One closed loop at concurrency c (always the same request set): the summary + the log lines' steps."""
+        ensure_pin(sv, c)
         n_req = int(eval(a.req_per_level, {"max": max, "min": min}, {"c": c}))
         off = os.path.getsize(sv["log"])
         outs, wall = asyncio.run(closed_loop(sv["port"], mixed, c, n_req, a.new_tokens, spread=a.new_tokens_spread))
@@ -897,6 +976,7 @@ def main():
         phases = [dict(p, duration_s=p["duration_s"] * a.phase_scale) for p in phase_set]
         if not a.phase or time.time() > measure_end - 20 - sum(p["duration_s"] for p in phases):
             return
+        ensure_pin(sv, 1)
         off = os.path.getsize(sv["log"])
         outs, wall, t_first = asyncio.run(phase_loop(sv["port"], pools, phases, a.new_tokens,
                                                      spread=a.new_tokens_spread))
@@ -914,11 +994,12 @@ def main():
     def open_loop(sv, rate, rep):
         """One bench_serving run of `rate` against this server: a row of result["open_loop_runs"]."""
         n = max(8, int(round(rate * a.open_loop_s)))
-        out_file = os.path.join(a.out, f"openloop-{sv['policy'].replace(':', '_')}-r{rate}-{rep}.jsonl")
+        out_file = os.path.join(a.out, f"openloop-{sv['policy'].replace(':', '_').replace('/', '-').replace('@', '-at-')}-r{rate}-{rep}.jsonl")
         env = dict(os.environ)
         if a.bench_pythonpath is not None:
             env["PYTHONPATH"] = a.bench_pythonpath
         env = SC.with_pythonpath(env, OPENLOOP_SHIM)
+        ensure_pin(sv, 1)
         cmd = bench_serving_cmd(a.bench_python, sv["port"], a.model, a.tokenizer or a.model, openloop_data, rate, n,
                                 out_file)
         t0 = time.time()
@@ -948,12 +1029,17 @@ def main():
                     open_loop(sv, rate, rep)
 
     def retire(sv):
+        if sv.get("base") is not None:  # a pinned server's run: the server goes once
+            sv["retired"] = True
+            return retire(sv["base"])
         if sv.get("retired"):
             return
         sv["retired"] = True
         kill_tree(sv["proc"])
         if sv.get("side"):
             finish_plugin_run(sv, result["servers"][sv["policy"]], a.out)
+        if sv.get("pinner"):
+            finish_pinned_run(sv, result["servers"][sv["policy"]])
         if a.request_stats:  # the whole log's requests (the phases' arrival times are in the phase runs' t_start)
             try:
                 result["servers"][sv["policy"]]["request_stats"] = B.request_stats(
@@ -974,7 +1060,9 @@ def main():
                 if time.time() > deadline - 40:
                     log("deadline: no profile", spec)
                     break
-                r = profile_server(sv["port"], a.out, pol.replace(":", "_") + "".join(f"-{m}" for m in mods), int(c),
+                ensure_pin(sv, int(c))
+                name = pol.replace(":", "_").replace("/", "-").replace("@", "-at-")
+                r = profile_server(sv["port"], a.out, name + "".join(f"-{m}" for m in mods), int(c),
                                    mixed, min(a.profile_steps, 12) if stack else a.profile_steps, stack=stack,
                                    **({"new_tokens": a.new_tokens, "churn": True,
                                        "spread": a.new_tokens_spread} if churn else {}))
@@ -1022,7 +1110,7 @@ def main():
                 prepare(sv)
             for sv in [sv for sv in live if sv["policy"] in a.resync.split(",")]:  # probed only: gone
                 retire(sv)
-            live = [sv for sv in live if not sv.get("retired")]
+            live = expand_pinned([sv for sv in live if not sv.get("retired")])
             if a.interleave and a.phase_first:
                 phase_rounds(live)
             if a.interleave:
@@ -1055,8 +1143,11 @@ def main():
                     for _ in range(a.phase_repeats):
                         phase(sv)
                     profiles_of([sv])
-                    retire(sv)
-                    time.sleep(2)
+                    sv["done"] = True
+                    base = sv.get("base")
+                    if base is None or all(x.get("done") for x in live if x.get("base") is base):
+                        retire(sv)  # a pinned server goes after its last configuration
+                        time.sleep(2)
         finally:
             for sv in live:
                 retire(sv)

@@ -178,14 +178,18 @@ def policy_obj(version: int, rows: list, *, source: str = "fixed", created_at: O
 
 
 class Override:
-    """An operator's stand-in for the daemon: publishes ONE fixed table at the daemon's policy endpoint (the daemon
-    must be stopped), re-sent every period as a heartbeat. specctl_e2e.py uses it to force a long plain-decode period
-    whatever the cost model would choose."""
+    """An operator's stand-in for the daemon: publishes a fixed table at the daemon's policy endpoint (the daemon
+    must be stopped, or never started), re-sent every period as a heartbeat. specctl_e2e.py uses it to force a long
+    plain-decode period whatever the cost model would choose; run_bench.py's `pinned:` servers to run one
+    configuration at every batch size at a time (set() publishes the next table at once)."""
 
     def __init__(self, rundir: str, rows: list, version: int):
         self.endpoint = f"ipc://{rundir}/policy.sock"
         self.rows, self.version = rows, version
+        self.published: dict[int, dict] = {}  # version -> the policy object sent under it (the decision audit's)
+        self._frame: Optional[bytes] = None
         self._stop = threading.Event()
+        self._wake = threading.Event()
         self._thread: Optional[threading.Thread] = None
         self.sent = 0
 
@@ -194,14 +198,25 @@ class Override:
 
     def frame(self) -> bytes:
         from specctl.controller import wire
-        return wire.encode(wire.policy_from_obj(self.obj()))
+        obj = self.obj()
+        self.published[self.version] = obj
+        return wire.encode(wire.policy_from_obj(obj))
+
+    def set(self, rows: list, version: int) -> None:
+        """Publish this table from now on: at once, then as the heartbeat. A version names one table (the plugin
+        logs each new one): give each table its own."""
+        if version in self.published and (rows != self.rows):
+            raise ValueError(f"version {version} was already published with another table")
+        self.rows, self.version = rows, version
+        self._frame = self.frame()
+        self._wake.set()
 
     def start(self, period_s: float = 0.5) -> None:
         import zmq
 
         from specctl.controller import transport
 
-        frame = self.frame()  # one frame: every re-send is a heartbeat of the same version
+        self._frame = self.frame()  # every re-send of a frame is a heartbeat of its version
         ready = threading.Event()
 
         def run() -> None:
@@ -210,9 +225,10 @@ class Override:
             ready.set()
             try:
                 while not self._stop.is_set():
-                    pub.send(frame)
+                    pub.send(self._frame)
                     self.sent += 1
-                    self._stop.wait(period_s)
+                    self._wake.wait(period_s)
+                    self._wake.clear()
             finally:
                 pub.close(linger=0)
                 ctx.term()
@@ -223,6 +239,7 @@ class Override:
 
     def stop(self) -> None:
         self._stop.set()
+        self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout=5)
 

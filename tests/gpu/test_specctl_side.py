@@ -168,6 +168,52 @@ def test_override_publishes_one_fixed_table_at_the_daemon_endpoint(tmp_path):
     assert ov.sent >= 1
 
 
+def test_override_set_publishes_the_next_table_at_once_and_keeps_every_version(tmp_path):
+    """run_bench's pinned servers: each set() is a new version, received (and applied by the plugin's engine) well
+    before the next heartbeat would have carried it; a version is never reused for another table."""
+    import time
+
+    import zmq
+
+    from specctl.controller import transport, wire
+    from specctl.plugin.engine import EngineController, PluginSettings
+
+    rundir = tmp_path / "run"
+    rundir.mkdir(mode=0o700)
+    ov = SC.Override(str(rundir), [(1, None, 0)], version=1)
+    ov.start(period_s=30.0)  # a heartbeat far beyond the test: only set() can deliver the second table in time
+    ctx = zmq.Context()
+    eng = EngineController(PluginSettings(policy_endpoint=ov.endpoint, sync_every=1), candidate_steps=(0, 1, 3))
+
+    def next_version(want):
+        t0 = time.time()
+        while time.time() - t0 < 20:
+            frame = rx.poll()
+            if frame is not None and wire.decode_policy(frame).version == want:
+                eng.offer_policy_frame(frame)
+                eng.sync()
+                return time.time() - t0
+            time.sleep(0.01)
+        raise AssertionError(f"version {want} never arrived")
+
+    try:
+        rx = transport.PolicyReceiver(ctx, ov.endpoint)
+        time.sleep(0.3)  # the subscription reaches the publisher (a slow joiner misses the first frame)
+        ov.set([(1, None, 0)], version=2)  # re-sent at once: the subscriber sees it now
+        next_version(2)
+        assert [eng.decide(b) for b in (1, 64)] == [0, 0]
+        ov.set([(1, None, 3)], version=3)
+        assert next_version(3) < 5.0
+        assert (eng.active_version, [eng.decide(b) for b in (1, 4, 64)]) == (3, [3, 3, 3])
+        with pytest.raises(ValueError, match="version 2 was already published"):
+            ov.set([(1, None, 1)], version=2)
+        assert sorted(ov.published) == [1, 2, 3] and ov.published[3]["table"][0]["config"]["steps"] == 3
+        rx.close()
+    finally:
+        ov.stop()
+        ctx.term()
+
+
 def test_replay_versions_on_the_committed_gpu_telemetry():
     """benchmarks/gpu/replay_versions.py replays real H200 telemetry (session 2) through the ControllerService."""
     import subprocess

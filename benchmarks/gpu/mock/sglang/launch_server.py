@@ -11,13 +11,36 @@ spec = "--speculative-algorithm" in args
 steps = int(args[args.index("--speculative-num-steps") + 1]) if spec else 0
 state = {"running": 0, "tokens": 0}
 lock = threading.Lock()
+# specctl's plugin, online (run_bench's pinned servers): the REAL engine decides every step from the tables it
+# receives at SPECCTL_RUNDIR's policy endpoint, logs as the plugin does, and writes SPECCTL_DECISION_LOG
+engine = receiver = None
+import os
+if os.environ.get("SGLANG_PLUGINS") == "specctl" and os.environ.get("SPECCTL_MODE") == "online" and "--speculative-adaptive-config" in args:
+    import logging, zmq
+    from specctl.controller import transport
+    from specctl.plugin.engine import EngineController
+    from specctl.plugin.launch_args import read_tree_states
+    from specctl.plugin.settings import PluginSettings
+    logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="[x] %(message)s")
+    cfg_path = args[args.index("--speculative-adaptive-config") + 1]
+    settings = PluginSettings.from_env(os.environ)
+    engine = EngineController(settings, candidate_steps=json.load(open(cfg_path))["1"]["candidate_steps"],
+                              states=read_tree_states(cfg_path))
+    receiver = transport.PolicyReceiver(zmq.Context(), settings.policy_endpoint)
 def step_s():
     n = max(1, state["running"])
     return 0.002 * (1 + 0.3 * steps) * (1 + state["tokens"] / n / 4000.0)
 def logger():
+    global steps
     while True:
         time.sleep(0.02)
         n = state["running"]
+        if n and engine is not None:  # a decode step: frames in, a sync boundary every sync_every results, a decision
+            while (frame := receiver.poll()) is not None:
+                engine.offer_policy_frame(frame)
+            if engine.note_result():
+                engine.sync()
+            steps = engine.decide(n)
         if n:
             for _ in range(300):  # a step's host work leaves cyclic garbage only the collector frees, as a scheduler's does
                 cyc = []; cyc.append(cyc)
