@@ -34,7 +34,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from benchlib import (iteration_gaps, logit_report, parse_decode_lines, parse_policy, path_profiles,  # noqa: E402
-                      prefill_batches, steps_after_prefill, write_record)
+                      prefill_batches, prefill_window_cost, steps_after_prefill, write_record)
 
 NO_SPEC_POLICY, DECODE_STATE, TRIVIAL = "off", "plugin-fixed:1:s3", "plugin-fixed:1:s3+verify"
 SKIP_DE = "+skipde"  # the decode state without the steps-0 draft extend (SGLANG_SPEC_SKIP_ZERO_STEP_DRAFT_EXTEND=1)
@@ -182,6 +182,7 @@ def prefill_iterations(log_dirs: list[str]) -> list[dict]:
                 srv = row["servers"].setdefault(log_policy(f), {})
                 # at high load, and over the whole call (every level: how far the closed loop's prefills batch)
                 srv["prefill"], srv["prefill_all"] = prefill_batches(text), prefill_batches(text, min_running=0)
+                srv["prefill_window_cost"] = prefill_window_cost(text)  # every server alike, from its log lines
             elif f.startswith("specctl-") and os.path.isdir(os.path.join(d, f)):
                 tel = read_telemetry(os.path.join(d, f))
                 for field, by in (("one_iteration_gap_ms", iteration_gaps(tel)),

@@ -666,6 +666,27 @@ def test_prefill_batches_count_the_high_load_lines_and_their_new_requests():
     assert B.prefill_batches("")["new_requests_per_batch"] is None
 
 
+def test_prefill_window_cost_prices_a_prefill_by_what_it_adds_to_its_decode_window():
+    """A window of 10 decode steps at 10 ms with one prefill of 30 ms logs a 13 ms step (its throughput spans the
+    prefill); two prefills of 30 ms: 16 ms. Each costs 30 ms; the clean step is the windows' without a prefill."""
+    dec = "[t] Decode batch, #running-req: {n}, #token: 900, accept len: {a}, gen throughput (token/s): {tp}\n"
+    pre = "[t] Prefill batch, #new-seq: 1, #new-token: {t}, #cached-token: 0, #running-req: {n}, #queue-req: 0\n"
+
+    def window(n, step_ms, prefills=(), acc=1.0):
+        return "".join(pre.format(t=t, n=n) for t in prefills) + dec.format(n=n, a=acc, tp=1000.0 * n * acc / step_ms)
+
+    text = (window(64, 99.0)  # the first window spans whatever came before: left out
+            + window(64, 10.0) * 3 + window(64, 13.0, [100]) + window(64, 16.0, [100, 300])
+            + window(128, 12.0, acc=2.0) + window(128, 16.0, [50], acc=2.0) + window(8, 5.0, [20]))
+    cost = B.prefill_window_cost(text)
+    assert cost["48-95"] == {"clean_step_ms": 10.0, "clean_windows": 3, "prefill_windows": 2, "per_prefill_ms": 30.0,
+                             "new_tokens_per_prefill": round(500 / 3, 1)}
+    # a speculating server's lines: the step is n x accept / throughput, as parse_decode_lines reads it
+    assert cost["96-"]["clean_step_ms"] == 12.0 and cost["96-"]["per_prefill_ms"] == 40.0
+    assert "1-15" not in cost  # a region without a clean window has no baseline
+    assert B.prefill_window_cost("") == {}
+
+
 def test_prefill_iterations_count_each_servers_prefills_at_high_load_and_over_the_call(tmp_path):
     """2026-12-07 (MoE, equal caps): the no-spec server's replacements prefilled together, the speculating
     server's one by one; the whole-call count says so where the high-load one (c >= 90) sees little."""
