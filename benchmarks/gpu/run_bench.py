@@ -886,7 +886,8 @@ def main():
                                                     for o in outs if "error" not in o}
         pp = parse_policy(pol)
         never_speculates = pp["kind"] == "plugin-fixed" and pp["threshold"] <= 1
-        if a.accept_eval and pol != "off" and not never_speculates:
+        # a pinned server is prepared under its decode state: its runs give each configuration's accept length
+        if a.accept_eval and pol != "off" and not never_speculates and pp["kind"] != "pinned":
             acc = {}
             for name, items in (("mtbench", mtb), ("humaneval", he)):
                 outs, wall = asyncio.run(closed_loop(sv["port"], items, 16, len(items), a.accept_tokens))
