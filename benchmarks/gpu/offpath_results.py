@@ -122,12 +122,13 @@ def clean_step_costs(log_dirs: list[str], concurrencies: list[int]) -> list[dict
     the whole log's Decode-batch windows at exactly c running requests that hold no prefill (benchlib's
     clean_step_ms_med; at least MIN_CLEAN_WINDOWS of them), with how many windows; the decode state and the
     split-KV s3 against their call's no-spec / stock s3 server. The rounds are pooled (the logs do not mark them),
-    so a specctl server, whose state changes with its table (the learning pass too), has no row here: its windows
-    mix states (the runs' own repeats_clean_step_ms are per round)."""
+    so a specctl server, whose state changes with its table (the learning pass too), has no row here, nor a pinned
+    one (run_bench's pinned:...: a configuration per run): their windows mix states (the runs' own
+    repeats_clean_step_ms are per round and configuration)."""
     out = []
     for d in log_dirs:
         logs = {log_policy(f): open(os.path.join(d, f), errors="replace").read() for f in sorted(os.listdir(d))
-                if f.endswith(".log") and f != "run.log" and not log_policy(f).startswith("specctl")}
+                if f.endswith(".log") and f != "run.log" and not log_policy(f).startswith(("specctl", "pinned"))}
         for c in concurrencies:
             row: dict = {"logs": d, "concurrency": c}
             for pol, text in logs.items():

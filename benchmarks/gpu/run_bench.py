@@ -589,6 +589,8 @@ def finish_pinned_run(sv, srv):
     fallback, plain decode at every batch size); keep the switches (how long each took to come in force)."""
     try:
         sv["pinner"].stop()
+        if sv.get("recorder") is not None:
+            sv["recorder"].stop()  # the telemetry recording is closed (read by offpath_results from the logs)
         from specctl.policies.fixed import fixed_threshold
         fb = fixed_threshold(1, B.pinned_fallback_config(parse_policy(sv["policy"])))
         dec = SC.read_decisions(os.path.join(sv["sdir"], "decisions-rank0.txt"))
@@ -798,6 +800,17 @@ def main():
             pin = {"pinner": SC.Override(rundir, B.pin_rows("off"), version=1), "pin": "off", "pin_version": 1,
                    "pin_switches": [], "sdir": sdir}
             pin["pinner"].start()
+            # a daemon only to record the plugin's step telemetry (each step's own time, by configuration); its
+            # tables go to an endpoint nobody listens to: the plugin follows the pinner's
+            pp = parse_policy(pol)
+            pin["recorder"] = SC.Daemon(
+                rundir=rundir, state_dir=f"/tmp/specctl-state-{port}", site=site,
+                log_path=os.path.join(sdir, "serve.log"), record_dir=os.path.join(sdir, "telemetry"),
+                configs=",".join(B.pin_names(pp)),
+                extra=("--mode", "fixed", "--publish", f"ipc://{rundir}/recorder-policy.sock", "--threshold", "1",
+                       "--config", B.config_name(B.pinned_fallback_config(pp))))
+            shutil.rmtree(f"/tmp/specctl-state-{port}", ignore_errors=True)
+            pin["recorder"].start()
             env.update(SC.plugin_env(mode="online", rundir=rundir, server_id=f"{a.variant}-pinned-{port}",
                                      decision_log=os.path.join(sdir, "decisions-rank{rank}.txt")))
             env.update(env_extra)

@@ -93,5 +93,14 @@ def test_pinned_runs_against_the_stand_in_follow_each_published_table(tmp_path, 
     assert [r["concurrency"] for r in rec["step_costs"]] == [1, 4]
     assert all(r["off_state_ms"] and r["no_spec_ms"] and r["rounds"] == 2 for r in rec["step_costs"])
     assert O.step_name(f"{pol}+verify@off") == O.TRIVIAL and O.step_name(f"{pol}@s1") == f"{pol}@s1"
+    # with the logs: the pinned server's own steps by configuration (telemetry), never its log's mixed windows
+    logged = O.build([bench], ["stand-in"], [str(out)])
+    assert all(set(r) - {"logs", "concurrency"} == {"off"} for r in logged["step_costs_clean"])
+    after = logged["prefill_iterations"][0]["servers"]["pinned:s1-s3"]["step_ms_after"]
+    assert {k.split()[0] for k in after} == {"s0", "s1", "s3"}
+    # the recorder daemon kept the plugin's step telemetry: steps of every configuration the server was pinned to
+    tel = O.read_telemetry(str(out / "specctl-pinned_s1-s3"))
+    assert {t["config"]["steps"] for t in tel} == {0, 1, 3} and len(tel) >= aud["decisions"] // 2
+    assert json.load(open(out / "specctl-pinned_s1-s3" / "telemetry" / ".." / "policies.json"))["pin_switches"] == sw
     pol_file = json.load(open(out / "specctl-pinned_s1-s3" / "policies.json"))
     assert [x["version"] for x in pol_file["policies"]] == list(range(1, len(sw) + 2))

@@ -27,11 +27,13 @@ if os.environ.get("SGLANG_PLUGINS") == "specctl" and os.environ.get("SPECCTL_MOD
     engine = EngineController(settings, candidate_steps=json.load(open(cfg_path))["1"]["candidate_steps"],
                               states=read_tree_states(cfg_path))
     receiver = transport.PolicyReceiver(zmq.Context(), settings.policy_endpoint)
+    sender = transport.TelemetrySender(zmq.Context(), settings.telemetry_endpoint) if settings.telemetry_endpoint else None
+    n_iter = 0
 def step_s():
     n = max(1, state["running"])
     return 0.002 * (1 + 0.3 * steps) * (1 + state["tokens"] / n / 4000.0)
 def logger():
-    global steps
+    global steps, n_iter
     while True:
         time.sleep(0.02)
         n = state["running"]
@@ -41,6 +43,11 @@ def logger():
             if engine.note_result():
                 engine.sync()
             steps = engine.decide(n)
+            n_iter += 1
+            if sender is not None:  # the step's record, as the plugin sends it (the daemon records it)
+                sender.send(engine.step_record(iter=n_iter, ts=time.time(), batch_size=n, draft_tokens=steps + 1,
+                                               accepted=[steps // 2] * n if steps else None, step_ms=1000.0 * step_s(),
+                                               off_path="decode" if steps == 0 else None))
         if n:
             for _ in range(300):  # a step's host work leaves cyclic garbage only the collector frees, as a scheduler's does
                 cyc = []; cyc.append(cyc)
