@@ -89,8 +89,10 @@ def test_freezegc_and_log_gc_run_against_the_stand_in(tmp_path, bench_prompts, p
     rows = bench["runs"]
     assert {row["policy"] for row in rows} == {"off", "off+freezegc"}
     assert all("gc" in row and len(row["repeats_gc_ms_per_s"]) == 2 for row in rows)
-    # the stand-in leaves cyclic garbage every step: each window holds collections
-    assert all(row["gc"]["gen0"]["n"] >= 1 and row["gc"]["ms_per_s"] >= 0 for row in rows), [r["gc"] for r in rows]
+    # the stand-in leaves cyclic garbage every step: the windows hold its collections (a window without one has None)
+    seen = [row["gc"] for row in rows if row["gc"] is not None]
+    assert seen and sum(g["gen0"]["n"] for g in seen if "gen0" in g) >= 1, [r["gc"] for r in rows]
+    assert all(g["ms"] == round(sum(v["ms"] for k, v in g.items() if k.startswith("gen")), 1) for g in seen)
     assert B.path_config("off+freezegc", 16) is None and B.path_config("off", 16) == ("nospec", "off")
     # the record keeps every window's collections and what each frozen server froze
     import offpath_results as O
