@@ -250,8 +250,13 @@ def tree_launch(p):
                            mode="fixed" if fixed else "online")
     states = list(state_configs(la.adaptive_config["1"]["candidate_steps"],
                                 launch_args.tree_states(la.adaptive_config)).values())
+    return flags_without_config_path(la), la.env, la.adaptive_config, states
+
+
+def flags_without_config_path(la):
+    """specctl's launch flags less `--speculative-adaptive-config PATH` (run_bench writes the config and adds its own)."""
     i = la.flags.index("--speculative-adaptive-config")
-    return la.flags[:i] + la.flags[i + 2:], la.env, la.adaptive_config, states
+    return la.flags[:i] + la.flags[i + 2:]
 
 
 def eagle_args(draft, steps, topk=1, draft_tokens=None):
@@ -283,9 +288,8 @@ def _launch_args(p, draft, specctl_max_steps):
         from specctl.plugin import launch_args
         la = launch_args.build([OFF, *p["configs"]], mode="online", fallback_threshold=1,
                                fallback_config=pinned_fallback_config(p))
-        i = la.flags.index("--speculative-adaptive-config")
-        env = {k: v for k, v in la.env.items() if k not in ("SPECCTL_SERVER_ID", "SPECCTL_MODE")}
-        return (la.flags[:i] + la.flags[i + 2:] + ["--speculative-draft-model-path", draft],
+        env = {k: v for k, v in la.env.items() if k not in ("SPECCTL_SERVER_ID", "SPECCTL_MODE")}  # run_bench's own
+        return (flags_without_config_path(la) + ["--speculative-draft-model-path", draft],
                 dict(env, SGLANG_PLUGINS="specctl"), la.adaptive_config)
     if p.get("config", (0, 1))[1] > 1:  # plugin-fixed:T:tree, specctl:tree
         flags, env, cfg, _ = tree_launch(p)
