@@ -205,7 +205,7 @@ class Override:
     def set(self, rows: list, version: int) -> None:
         """Publish this table from now on: at once, then as the heartbeat. A version names one table (the plugin
         logs each new one): give each table its own."""
-        if version in self.published and (rows != self.rows):
+        if version in self.published and policy_obj(version, rows)["table"] != self.published[version]["table"]:
             raise ValueError(f"version {version} was already published with another table")
         self.rows, self.version = rows, version
         self._frame = self.frame()

@@ -206,7 +206,8 @@ def test_override_set_publishes_the_next_table_at_once_and_keeps_every_version(t
         assert next_version(3) < 5.0
         assert (eng.active_version, [eng.decide(b) for b in (1, 4, 64)]) == (3, [3, 3, 3])
         with pytest.raises(ValueError, match="version 2 was already published"):
-            ov.set([(1, None, 1)], version=2)
+            ov.set([(1, None, 3)], version=2)  # v2 was plain decode; the table in force (v3) is this one
+        ov.set([(1, None, 3)], version=3)  # the same table under its own version again: a heartbeat
         assert sorted(ov.published) == [1, 2, 3] and ov.published[3]["table"][0]["config"]["steps"] == 3
         rx.close()
     finally:
