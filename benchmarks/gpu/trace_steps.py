@@ -102,9 +102,15 @@ def summarize_prefill_rows(pre_rows: list[dict]) -> dict[str, Any]:
     for key in ("gpu_window_ms", "gpu_busy_ms", "gpu_idle_ms", "sync_ms", "alloc_ms", "alloc_calls"):
         pw[key + "_median"] = _med([r[key] for r in pre_rows if key in r])
     # in an EAGLE server each prefill is two extend spans over the same [bs, tokens]: the target's, then the
-    # draft's; in a no-spec server two spans in a window are two prefills
+    # draft's, inside SGLang's `draft_extend` span (`extend_kinds`); in a no-spec server two spans in a window are two
+    # prefills. Rows without kinds (reduced before they were kept) pair spans of one shape
     tgt_gpu, tgt_cpu, dr_gpu, dr_cpu = [], [], [], []
     for r in pre_rows:
+        if "extend_kinds" in r:
+            for kind, g, c in zip(r["extend_kinds"], r["extend_gpu_ms"], r["extend_cpu_ms"]):
+                (dr_gpu if kind == "draft" else tgt_gpu).append(g)
+                (dr_cpu if kind == "draft" else tgt_cpu).append(c)
+            continue
         ex, i = r["extends"], 0
         while i < len(ex):
             tgt_gpu.append(r["extend_gpu_ms"][i])
@@ -196,6 +202,8 @@ def reduce_events(events: list[dict], label: str = "") -> dict[str, Any]:
         anchors.append(min(starts) if starts else None)
     gpu_ts = [g["ts"] for g in gpu]
     ann_s = [e for e in ann if tkey(e) == sched and not STEP_RE.match(e["name"])]
+    # SGLang's spec_stage_span("draft_extend"): a forward inside one is the draft's (its prefill extend included)
+    draft_spans = [(e["ts"], e["ts"] + e["dur"]) for e in ann_s if e["name"] == "draft_extend"]
     cpu_ops = [e for e in X if e.get("cat") == "cpu_op" and tkey(e) == sched]
     rows, skipped, pre_ms, pre_rows = [], 0, [], []
     by_ann: collections.Counter = collections.Counter()
@@ -214,6 +222,8 @@ def reduce_events(events: list[dict], label: str = "") -> dict[str, Any]:
                              int(m.group(1)) if (m := TOKS_RE.search(e["name"])) else None] for e in spans],
                 "extend_gpu_ms": [round(launched_gpu_ms(e), 4) for e in spans],
                 "extend_cpu_ms": [round(e["dur"] / 1000.0, 4) for e in spans],
+                "extend_kinds": ["draft" if any(a <= e["ts"] and e["ts"] + e["dur"] <= b for a, b in draft_spans)
+                                 else "target" for e in spans],
                 "cpu_window_ms": round((c1 - c0) / 1000.0, 4)}
             a, b = bisect.bisect_left(rt_ts, c0), bisect.bisect_left(rt_ts, c1)
             pr.update(runtime_figures(rt[a:b], by_name=True))

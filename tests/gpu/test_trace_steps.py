@@ -39,6 +39,7 @@ def _trace():
            _x("user_annotation", "step[EXTEND bs=1 toks=100]", 25000, 500),
            _x("cuda_runtime", "cudaGraphLaunch", 25100, 5, 7), _gpu("prefill_a", 25200, 2000, 7),
            _gpu("prefill_b", 27000, 1000, 7),  # one graph: two kernels, overlapping by 0.2 ms
+           _x("user_annotation", "draft_extend", 25950, 450),  # SGLang's spec_stage_span around the draft's forward
            _x("user_annotation", "step[EXTEND bs=1 toks=100]", 26000, 300),  # the draft's extend
            _x("cuda_runtime", "cudaLaunchKernel", 26100, 5, 8), _gpu("draft", 28500, 500, 8),
            _x("cuda_runtime", "cudaLaunchKernel", 30100, 5, 6), _gpu("attn", 30500, 1000, 6),
@@ -74,7 +75,7 @@ def test_a_known_trace_reduces_to_its_figures():
     # that window: decode step 2's attn (20.5-21.5 ms), the target's prefill graph (25.2-28.0) and the draft's
     # extend (28.5-29.0) up to step 3's first GPU op at 30.5: busy 1 + 2.8 + 0.5 of 10 ms
     assert pw["rows"] == [{"decode_bs": 4, "extends": [[1, 100], [1, 100]], "extend_gpu_ms": [2.8, 0.5],
-                           "extend_cpu_ms": [0.5, 0.3], "cpu_window_ms": 10.0, "sync_ms": 0.0, "alloc_ms": 0.0,
+                           "extend_cpu_ms": [0.5, 0.3], "extend_kinds": ["target", "draft"], "cpu_window_ms": 10.0, "sync_ms": 0.0, "alloc_ms": 0.0,
                            "alloc_calls": 0, "alloc_by_name": {}, "gpu_window_ms": 10.0,
                            "gpu_busy_ms": 4.3, "gpu_idle_ms": 5.7}]
     assert pw["target_extend_gpu_ms_median"] == 2.8 and pw["draft_extend_gpu_ms_median"] == 0.5
@@ -136,6 +137,24 @@ def test_two_prefills_of_a_no_spec_server_are_two_targets_not_a_target_and_a_dra
     assert pw["rows"][0]["extends"] == [[1, 50], [2, 300]] and pw["rows"][0]["extend_gpu_ms"] == [3.0, 9.0]
     assert pw["target_extend_gpu_ms_median"] == 6.0 and "draft_extend_gpu_ms_median" not in pw
     assert pw["prefill_tokens_median"] == 50
+
+
+def test_two_prefills_of_one_shape_in_a_no_spec_server_are_two_targets():
+    """Without SGLang's draft_extend span around the second, two extends of one shape are two prefills."""
+    ev = []
+    for k, t in enumerate((0, 10000, 40000)):
+        ev += [_x("user_annotation", "step[DECODE bs=4]", t, 1000), _x("cuda_runtime", "cudaLaunchKernel", t + 100, 5, k),
+               _gpu("attn", t + 500, 1000, k)]
+    ev += [_x("user_annotation", "step[EXTEND bs=1 toks=50]", 12000, 2000),
+           _x("cuda_runtime", "cudaGraphLaunch", 12100, 5, 10), _gpu("prefill", 12500, 3000, 10),
+           _x("user_annotation", "step[EXTEND bs=1 toks=50]", 20000, 2000),
+           _x("cuda_runtime", "cudaGraphLaunch", 20100, 5, 11), _gpu("prefill", 20500, 5000, 11)]
+    pw = T.reduce_events(ev)["prefill_windows"]
+    assert pw["rows"][0]["extend_kinds"] == ["target", "target"]
+    assert pw["target_extend_gpu_ms_median"] == 4.0 and "draft_extend_gpu_ms_median" not in pw
+    # a row reduced before kinds were kept still pairs one shape as target and draft
+    old = {k: v for k, v in pw["rows"][0].items() if k != "extend_kinds"}
+    assert T.summarize_prefill_rows([old])["draft_extend_gpu_ms_median"] == 5.0
 
 
 def _py(name, ts, dur, where=S):
