@@ -124,16 +124,22 @@ def test_a_trace_without_target_steps_says_so(tmp_path):
     assert "error" in r and r["step_spans"] == {"step[EXTEND bs=1]": 1}  # spans are counted by mode and batch
 
 
-def test_two_prefills_of_a_no_spec_server_are_two_targets_not_a_target_and_a_draft():
+def _no_spec_two_prefills(second, second_gpu_us):
+    """Three decode steps of a no-spec server, the window between the second and third holding two prefills: a
+    3 ms one of [1, 50], then `second` ("bs=B toks=T") taking second_gpu_us on the GPU; no draft_extend span."""
     ev = []
     for k, t in enumerate((0, 10000, 40000)):
         ev += [_x("user_annotation", "step[DECODE bs=4]", t, 1000), _x("cuda_runtime", "cudaLaunchKernel", t + 100, 5, k),
                _gpu("attn", t + 500, 1000, k)]
     ev += [_x("user_annotation", "step[EXTEND bs=1 toks=50]", 12000, 2000),
            _x("cuda_runtime", "cudaGraphLaunch", 12100, 5, 10), _gpu("prefill", 12500, 3000, 10),
-           _x("user_annotation", "step[EXTEND bs=2 toks=300]", 20000, 2000),
-           _x("cuda_runtime", "cudaGraphLaunch", 20100, 5, 11), _gpu("prefill", 20500, 9000, 11)]
-    pw = T.reduce_events(ev)["prefill_windows"]
+           _x("user_annotation", f"step[EXTEND {second}]", 20000, 2000),
+           _x("cuda_runtime", "cudaGraphLaunch", 20100, 5, 11), _gpu("prefill", 20500, second_gpu_us, 11)]
+    return T.reduce_events(ev)["prefill_windows"]
+
+
+def test_two_prefills_of_a_no_spec_server_are_two_targets_not_a_target_and_a_draft():
+    pw = _no_spec_two_prefills("bs=2 toks=300", 9000)
     assert pw["rows"][0]["extends"] == [[1, 50], [2, 300]] and pw["rows"][0]["extend_gpu_ms"] == [3.0, 9.0]
     assert pw["target_extend_gpu_ms_median"] == 6.0 and "draft_extend_gpu_ms_median" not in pw
     assert pw["prefill_tokens_median"] == 50
@@ -141,15 +147,7 @@ def test_two_prefills_of_a_no_spec_server_are_two_targets_not_a_target_and_a_dra
 
 def test_two_prefills_of_one_shape_in_a_no_spec_server_are_two_targets():
     """Without SGLang's draft_extend span around the second, two extends of one shape are two prefills."""
-    ev = []
-    for k, t in enumerate((0, 10000, 40000)):
-        ev += [_x("user_annotation", "step[DECODE bs=4]", t, 1000), _x("cuda_runtime", "cudaLaunchKernel", t + 100, 5, k),
-               _gpu("attn", t + 500, 1000, k)]
-    ev += [_x("user_annotation", "step[EXTEND bs=1 toks=50]", 12000, 2000),
-           _x("cuda_runtime", "cudaGraphLaunch", 12100, 5, 10), _gpu("prefill", 12500, 3000, 10),
-           _x("user_annotation", "step[EXTEND bs=1 toks=50]", 20000, 2000),
-           _x("cuda_runtime", "cudaGraphLaunch", 20100, 5, 11), _gpu("prefill", 20500, 5000, 11)]
-    pw = T.reduce_events(ev)["prefill_windows"]
+    pw = _no_spec_two_prefills("bs=1 toks=50", 5000)
     assert pw["rows"][0]["extend_kinds"] == ["target", "target"]
     assert pw["target_extend_gpu_ms_median"] == 4.0 and "draft_extend_gpu_ms_median" not in pw
     # a row reduced before kinds were kept still pairs one shape as target and draft
