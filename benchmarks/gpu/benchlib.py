@@ -668,6 +668,24 @@ def steps_after_prefill(steps):
     return {k: {w: [len(v), round(st.median(v), 2)] for w, v in sorted(ws.items())} for k, ws in sorted(by.items())}
 
 
+def telemetry_step_points(steps, levels, width=1 / 16):
+    """From a plugin server's step telemetry (as iteration_gaps takes it): per configuration (steps, topk,
+    draft_tokens) and level L, the median own time (step_ms) of the decode steps right after another decode step
+    (consecutive iteration numbers: no prefill between) at batch sizes L - floor(L x width) .. L:
+    {config: [[L, median ms, steps]]}. What the plugin's telemetry adds to a cost profile where a level's
+    `Decode batch` windows all hold a prefill (a closed loop whose c requests start together at c >= 64 logs no
+    clean window); 2026-12-07, H100, MoE, c = 1 ... 32: within 1 % of the log lines' clean medians."""
+    by: dict = {}
+    for _, b, d in _step_pairs(steps):
+        if d != 1 or not b.get("step_ms"):
+            continue
+        cfg = (int(b["config"]["steps"]), int(b["config"].get("topk", 1)), int(b["config"].get("draft_tokens", 1)))
+        for lv in levels:
+            if lv - int(lv * width) <= b["batch_size"] <= lv:
+                by.setdefault(cfg, {}).setdefault(lv, []).append(float(b["step_ms"]))
+    return {cfg: [[lv, round(st.median(v), 4), len(v)] for lv, v in sorted(ls.items())] for cfg, ls in sorted(by.items())}
+
+
 def write_record(path, rec):
     """A results record to `path`, atomically (controller.state.atomic_write, no .prev kept); the "notes" of the
     record it replaces are kept (they are written by hand into a record that its script rebuilds from the calls)."""

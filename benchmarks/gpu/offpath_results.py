@@ -33,8 +33,9 @@ import statistics as st
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from benchlib import (iteration_gaps, logit_report, parse_decode_lines, parse_policy, path_profiles,  # noqa: E402
-                      prefill_batches, prefill_window_cost, steps_after_prefill, write_record)
+from benchlib import (OFF, PIN_ALL, iteration_gaps, logit_report, parse_config, parse_decode_lines,  # noqa: E402
+                      parse_policy, path_config, path_profiles, prefill_batches, prefill_window_cost,
+                      steps_after_prefill, telemetry_step_points, write_record)
 
 NO_SPEC_POLICY, DECODE_STATE, TRIVIAL = "off", "plugin-fixed:1:s3", "plugin-fixed:1:s3+verify"
 SKIP_DE = "+skipde"  # the decode state without the steps-0 draft extend (SGLANG_SPEC_SKIP_ZERO_STEP_DRAFT_EXTEND=1)
@@ -527,7 +528,57 @@ def borrow_static(profiles: dict) -> dict:
     return profiles
 
 
-def write_profiles(benches: list[dict], out_dir: str, name: str, calls: list[str], borrow: bool = False) -> dict:
+def add_telemetry_points(prof: dict, steps: list[dict], levels: list[int], min_steps: int = 3) -> dict:
+    """A profile's missing levels from the plugin's own step telemetry (benchlib.telemetry_step_points: steps
+    right after a step, at batch sizes just under the level) where the server's telemetry holds >= min_steps of
+    them; `source.telemetry_points` names each point taken ([level, steps]) and `source.telemetry_vs_log` the
+    telemetry / log-line ratio at the levels both measured, the check that the two methods agree."""
+    pts = telemetry_step_points(steps, levels)
+    src = prof["source"]
+    for n in list(prof["step_ms"]):
+        cfg = OFF if n == "off" else parse_config(n)
+        have = dict(map(tuple, prof["step_ms"][n]))
+        took, check = [], {}
+        for lv, ms, k in pts.get(cfg, []):
+            if lv in have:
+                check[str(lv)] = round(ms / have[lv], 4)
+            elif k >= min_steps:
+                have[lv] = ms
+                took.append([lv, k])
+        if took:
+            prof["step_ms"][n] = [[lv, ms] for lv, ms in sorted(have.items())]
+            src.setdefault("telemetry_points", {})[n] = took
+            left = [lv for lv in src.get("no_clean_window", {}).get(n, []) if lv not in have]
+            if n in src.get("no_clean_window", {}):
+                if left:
+                    src["no_clean_window"][n] = left
+                else:
+                    del src["no_clean_window"][n]
+        if check:
+            src.setdefault("telemetry_vs_log", {})[n] = check
+    if src.get("telemetry_points"):
+        src["method"] += ("; at the levels in telemetry_points (no clean window in the log), the median step_ms of "
+                          "the plugin's step telemetry over decode steps right after a decode step at batch sizes "
+                          "L - L/16 .. L")
+    return prof
+
+
+def pinned_telemetry(benches: list[dict], log_dirs: list[str]) -> dict[str, list[dict]]:
+    """Per build, the step telemetry that the calls' pinned servers recorded (run_bench's specctl-<policy>/ in
+    each --logs directory): a pinned server runs every configuration of its build at every batch size."""
+    out: dict[str, list[dict]] = {}
+    pols = {p for b in benches for p in b.get("servers", {}) if p.startswith("pinned:")}
+    for d in log_dirs:
+        for pol in sorted(pols):
+            folder = os.path.join(d, "specctl-" + pol.replace(":", "_").replace("/", "-"))
+            where = path_config(f"{pol}@off", PIN_ALL)
+            if where and os.path.isdir(folder):
+                out.setdefault(where[0], []).extend(read_telemetry(folder))
+    return out
+
+
+def write_profiles(benches: list[dict], out_dir: str, name: str, calls: list[str], borrow: bool = False,
+                   telemetry: dict[str, list[dict]] | None = None) -> dict:
     backends = {b.get("attention_backend", "triton") for b in benches}
     if len(backends) != 1:
         raise SystemExit(f"--profiles: the calls ran different attention backends {sorted(backends)}: one at a time")
@@ -535,6 +586,10 @@ def write_profiles(benches: list[dict], out_dir: str, name: str, calls: list[str
     runs = [r for b in benches for r in b.get("runs", [])]
     written = {}
     profiles = path_profiles(runs, f"{name}-{backends.pop()}")
+    levels = sorted({r["concurrency"] for r in runs if r.get("concurrency")})
+    for build, steps in (telemetry or {}).items():
+        if build in profiles:
+            add_telemetry_points(profiles[build], steps, levels)
     for build, prof in (borrow_static(profiles) if borrow else profiles).items():
         prof["source"]["calls"] = calls
         path = os.path.join(out_dir, prof["name"] + ".json")
@@ -581,7 +636,8 @@ def main() -> None:
     if a.tdump:
         rec["tensor_dump"] = [tdump_summary(p) for p in a.tdump]
     if a.profiles:
-        rec["path_profiles"] = write_profiles(benches, a.profiles, a.profile_name, a.call, a.borrow_static)
+        rec["path_profiles"] = write_profiles(benches, a.profiles, a.profile_name, a.call, a.borrow_static,
+                                              pinned_telemetry(benches, a.logs))
         print(json.dumps(rec["path_profiles"], indent=1))
     write_record(a.out, rec)
     print(json.dumps(rec["targets"], indent=1))

@@ -636,6 +636,43 @@ def test_path_profiles_take_clean_medians_per_build_and_load_in_the_simulator(tm
                          str(tmp_path), "t", [])
 
 
+def _tsteps(rows, t0=100.0):
+    """Step telemetry from (iter, batch, steps, ms): configurations as chains (steps, 1, steps + 1)."""
+    return [{"iter": i, "ts": t0 + i, "step_ms": ms, "batch_size": b, "rank": 0,
+             "config": {"steps": s, "topk": 1, "draft_tokens": s + 1}} for i, b, s, ms in rows]
+
+
+@pytest.mark.parametrize("rows, want", [
+    # steps right after a step only: the first has none before it, iteration 5 follows a skipped iteration
+    # (a prefill)
+    ([(1, 64, 0, 15.0), (2, 64, 0, 15.2), (3, 63, 0, 14.8), (5, 64, 0, 40.0), (6, 64, 0, 15.1)],
+     {(0, 1, 1): [[64, 15.1, 3]]}),
+    # batch sizes L - L/16 .. L count for L (60 .. 64), 59 does not; 1 only for 1
+    ([(1, 1, 3, 8.0), (2, 59, 3, 20.0), (3, 60, 3, 21.0), (4, 64, 3, 22.0), (5, 2, 3, 9.0), (6, 1, 3, 8.5)],
+     {(3, 1, 4): [[1, 8.5, 1], [64, 21.5, 2]]}),
+    # per configuration: a step of s1 after one of off counts for s1
+    ([(1, 1, 0, 8.0), (2, 1, 1, 10.0), (3, 1, 1, 10.4)], {(1, 1, 2): [[1, 10.2, 2]]}),
+])
+def test_telemetry_step_points_take_steps_after_a_step_just_under_each_level(rows, want):
+    assert B.telemetry_step_points(_tsteps(rows), [1, 64]) == want
+
+
+def test_telemetry_points_fill_only_the_levels_without_a_clean_window():
+    prof = {"step_ms": {"off": [[1, 8.0], [32, 13.0]], "s3": [[1, 10.0]]},
+            "source": {"no_clean_window": {"s3": [32, 64]}, "method": "log"}}
+    rows = [(i, 64, 0, 15.0 + i / 100) for i in range(1, 5)]  # off at 64: 3 steps after a step
+    rows += [(i, 1, 3, 10.1) for i in range(10, 13)] + [(i, 64, 3, 22.0) for i in range(20, 22)]  # s3: 1 at 64
+    rows += [(i, 32, 0, 26.0) for i in range(30, 34)]  # off at 32 is in the log: a check, never a point
+    O.add_telemetry_points(prof, _tsteps(rows), [1, 32, 64], min_steps=3)
+    assert prof["step_ms"] == {"off": [[1, 8.0], [32, 13.0], [64, 15.03]], "s3": [[1, 10.0]]}  # s3: 1 < 3 steps
+    src = prof["source"]
+    assert src["telemetry_points"] == {"off": [[64, 3]]}
+    assert src["telemetry_vs_log"] == {"off": {"32": 2.0}, "s3": {"1": 1.01}}
+    assert src["no_clean_window"] == {"s3": [32, 64]} and "telemetry" in src["method"]
+    O.add_telemetry_points(prof, _tsteps(rows[:9] + [(22, 64, 3, 23.0), (23, 64, 3, 22.5)]), [1, 32, 64], min_steps=3)
+    assert prof["step_ms"]["s3"] == [[1, 10.0], [64, 22.5]] and src["no_clean_window"] == {"s3": [32]}
+
+
 def test_borrowed_static_curves_fill_only_the_specctl_builds_missing_configurations(tmp_path):
     from training.simulator import parse_profile
 

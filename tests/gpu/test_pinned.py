@@ -101,6 +101,7 @@ def test_pinned_runs_against_the_stand_in_follow_each_published_table(tmp_path, 
     # the recorder daemon kept the plugin's step telemetry: steps of every configuration the server was pinned to
     tel = O.read_telemetry(str(out / "specctl-pinned_s1-s3"))
     assert {t["config"]["steps"] for t in tel} == {0, 1, 3} and len(tel) >= aud["decisions"] // 2
+    assert {k: len(v) for k, v in O.pinned_telemetry([bench], [str(out)]).items()} == {"specctl": len(tel)}
     assert json.load(open(out / "specctl-pinned_s1-s3" / "telemetry" / ".." / "policies.json"))["pin_switches"] == sw
     pol_file = json.load(open(out / "specctl-pinned_s1-s3" / "policies.json"))
     assert [x["version"] for x in pol_file["policies"]] == list(range(1, len(sw) + 2))
