@@ -17,9 +17,10 @@ from typing import Any, Optional, TextIO
 
 import click
 
-# the situation specctl exists for: a 1T INT4 MoE served TP8 over PCIe, where an operator
-# hand-picked "speculation off from batch 5", on traffic whose load and acceptance change
-DEMO_PROFILE = "moe-1t-int4-tp8-pcie"
+# the situation specctl exists for: a mixture-of-experts target where an operator hand-picked
+# "speculation off from batch 5", on traffic whose load and acceptance change. The profile is measured
+# (benchmarks/results/gpu-2026-12-07-moe-profile-h100.json): the GPU testbed's MoE target through the plugin
+DEMO_PROFILE = "h100-sglang-smollm2-135m-moe-triton-specctl"
 DEMO_WORKLOAD = "code-chat-ramp"
 OPERATOR_THRESHOLD = 5
 RATIO_WORDS = "(x = specctl's tokens/s over that policy's, same workload and seed: above 1, specctl is faster)"
@@ -67,23 +68,27 @@ def bench() -> None:
 
 def _profile_words(name_or_path: str, profile: Any) -> tuple[str, str]:
     """The profile named for a reader, short and long: a synthetic one (its note says so) says so,
-    with what it models."""
+    with what it models; a measured one (its note starts "measured:") says where it was measured."""
     from ..training.simfiles import SimFileError, resolve
 
     try:
         note = json.loads(resolve(name_or_path, "profiles").read_text()).get("note", "")
     except (OSError, ValueError, SimFileError):
         note = ""
-    if not (isinstance(note, str) and note.lower().startswith("synthetic")):
-        return f"profile {profile.name}", f"profile {profile.name}"
+    note = note if isinstance(note, str) else ""
     what = note.partition(":")[2].partition(";")[0].strip()
+    if note.lower().startswith("measured:"):
+        return (f"measured profile {profile.name}",
+                f"measured profile {profile.name}" + (f" ({what})" if what and len(what) <= 80 else ""))
+    if not note.lower().startswith("synthetic"):
+        return f"profile {profile.name}", f"profile {profile.name}"
     what = f"{what}; modelled, not measured" if what and len(what) <= 80 else "modelled, not measured"
     return f"synthetic profile {profile.name}", f"synthetic profile {profile.name} ({what})"
 
 
 @bench.command("sim")
 @click.option("--profile", "profile_name",
-              help="Cost profile: a JSON file or a shipped name (e.g. moe-1t-int4-tp8-pcie).")
+              help="Cost profile: a JSON file or a shipped name (e.g. h100-sglang-smollm2-135m-moe-triton-specctl).")
 @click.option("--workload", "workload_name",
               help="Workload: a JSON file or a shipped name (e.g. ramp).")
 @click.option("--policy", "policies", multiple=True,
@@ -277,9 +282,10 @@ def demo(profile_name: str, workload_name: str, plot_out: str, json_out: Optiona
     speculation off, every static configuration and the oracle. Prints the verdict first, then the
     details, and the verdict again as its last line (`verdict: ...`); writes a PNG. Needs no GPU.
 
-    By default: a synthetic (modelled, not measured) 1T-parameter INT4 MoE served TP8 over PCIe
-    (moe-1t-int4-tp8-pcie) on code traffic ramping up, a mixed surge and chat ramping down (code-chat-ramp). The dense 8B profile of earlier
-    demos: --profile dense-8b-h200 --workload demo."""
+    By default: the cost profile measured on the GPU testbed's mixture-of-experts target (128 experts,
+    top-8; H100, SGLang 0.5.17, triton, through the plugin: h100-sglang-smollm2-135m-moe-triton-specctl)
+    on code traffic ramping up, a mixed surge and chat ramping down (code-chat-ramp). The synthetic
+    (modelled, not measured) 1T INT4 MoE served TP8 over PCIe: --profile moe-1t-int4-tp8-pcie."""
     from ..controller.daemon import wait_for_status
     from . import simbench
 

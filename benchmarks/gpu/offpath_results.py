@@ -578,7 +578,7 @@ def pinned_telemetry(benches: list[dict], log_dirs: list[str]) -> dict[str, list
 
 
 def write_profiles(benches: list[dict], out_dir: str, name: str, calls: list[str], borrow: bool = False,
-                   telemetry: dict[str, list[dict]] | None = None) -> dict:
+                   telemetry: dict[str, list[dict]] | None = None, note: str | None = None) -> dict:
     backends = {b.get("attention_backend", "triton") for b in benches}
     if len(backends) != 1:
         raise SystemExit(f"--profiles: the calls ran different attention backends {sorted(backends)}: one at a time")
@@ -592,6 +592,8 @@ def write_profiles(benches: list[dict], out_dir: str, name: str, calls: list[str
             add_telemetry_points(profiles[build], steps, levels)
     for build, prof in (borrow_static(profiles) if borrow else profiles).items():
         prof["source"]["calls"] = calls
+        if note:  # what a reader is told the profile is (specctl demo names it by its note)
+            prof = {"note": note, **prof}
         path = os.path.join(out_dir, prof["name"] + ".json")
         with open(path, "w") as f:
             json.dump(prof, f, indent=1)
@@ -622,6 +624,8 @@ def main() -> None:
                     help="a tensor_dump.py tensor-dump.json (item 5: where the decode state's forward parts)")
     ap.add_argument("--profile-name", default="h200-sglang-smollm2-135m-8b",
                     help="profile names: NAME-<attention backend>-<build>")
+    ap.add_argument("--profile-note", default=None,
+                    help='each profile\'s "note", e.g. "measured: GPU, SGLang release backend, target; record R"')
     ap.add_argument("--borrow-static", action="store_true",
                     help="the specctl profile's sN curves from static:sN where the calls ran no plugin sN")
     ap.add_argument("--moe", default=None,
@@ -637,7 +641,7 @@ def main() -> None:
         rec["tensor_dump"] = [tdump_summary(p) for p in a.tdump]
     if a.profiles:
         rec["path_profiles"] = write_profiles(benches, a.profiles, a.profile_name, a.call, a.borrow_static,
-                                              pinned_telemetry(benches, a.logs))
+                                              pinned_telemetry(benches, a.logs), a.profile_note)
         print(json.dumps(rec["path_profiles"], indent=1))
     write_record(a.out, rec)
     print(json.dumps(rec["targets"], indent=1))

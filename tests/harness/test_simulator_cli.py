@@ -67,14 +67,14 @@ def test_demo_help_names_the_default_scenario_and_the_shipped_files():
     res = CliRunner().invoke(main, ["demo", "--help"], terminal_width=400)
     assert res.exit_code == 0, res.output
     text = " ".join(res.output.split())
-    assert "[default: moe-1t-int4-tp8-pcie]" in text and "[default: code-chat-ramp]" in text
-    for name in ("dense-8b-h200", "h200-smollm2-135m", "stationary-low", "demo"):
+    assert "[default: h100-sglang-smollm2-135m-moe-triton-specctl]" in text and "[default: code-chat-ramp]" in text
+    for name in ("moe-1t-int4-tp8-pcie", "dense-8b-h200", "h200-smollm2-135m", "stationary-low", "demo"):
         assert name in text  # the other shipped profiles and workloads are listed
 
 
 @pytest.mark.slow
 def test_demo_runs_live_and_says_one_verdict_against_the_operators_threshold(tmp_path, workload):
-    # the short two-phase workload above, on the default MoE profile: the real daemon comes up,
+    # the short two-phase workload above, on the default (measured) MoE profile: the real daemon comes up,
     # the live engine runs 8 s against it, the virtual-clock baselines follow
     out, png = tmp_path / "d.json", tmp_path / "d.png"
     res = CliRunner().invoke(main, ["demo", "--workload", str(workload), "--plot", str(png), "--json", str(out)])
@@ -99,7 +99,7 @@ def test_demo_runs_live_and_says_one_verdict_against_the_operators_threshold(tmp
     by = {r["policy"]: r for r in rec["results"]}
     assert {"off", "static:s1", "static:s2", "static:s3", "threshold:5:s3", "sglang-ema", "adaptive",
             "adaptive-live", "oracle"} == set(by)
-    assert rec["profile"] == "moe-1t-int4-tp8-pcie" and rec["verdict"] == v
+    assert rec["profile"] == "h100-sglang-smollm2-135m-moe-triton-specctl" and rec["verdict"] == v
     live = by["adaptive-live"]["tokens_per_s"]
     assert live > 0 and by["adaptive-live"]["num_steps"] > 20  # it did decode, paced to the wall clock
     ratio = live / by["threshold:5:s3"]["tokens_per_s"]
@@ -125,3 +125,22 @@ def test_verdict_states_every_ratio_and_legends_say_what_a_policy_does():
     assert simbench.describe_policy("threshold:5:s3") == \
         "threshold:5:s3: 3 draft steps (s3) below batch 5, plain decode from 5"
     assert simbench.describe_policy("best-static=static:s1") == "best static = static:s1: always 1 draft step (s1)"
+
+
+@pytest.mark.parametrize("name, short, long", [
+    ("h100-sglang-smollm2-135m-moe-triton-specctl", "measured profile h100-sglang-smollm2-135m-moe-triton-specctl",
+     "measured profile h100-sglang-smollm2-135m-moe-triton-specctl (H100, SGLang 0.5.17 triton, MoE test target "
+     "(128 experts, top-8), draft v2)"),
+    ("moe-1t-int4-tp8-pcie", "synthetic profile moe-1t-int4-tp8-pcie", None),
+    ("h200-smollm2-135m", "profile h200-smollm2-135m", "profile h200-smollm2-135m"),
+])
+def test_the_demo_names_a_profile_by_what_its_note_says_it_is(name, short, long):
+    from specctl.harness.cli_bench import _profile_words
+    from specctl.training.simulator import load_profile
+
+    got = _profile_words(name, load_profile(name))
+    assert got[0] == short
+    if long is not None:
+        assert got[1] == long
+    else:
+        assert got[1].startswith(short + " (") and got[1].endswith("modelled, not measured)")
