@@ -548,12 +548,11 @@ def add_telemetry_points(prof: dict, steps: list[dict], levels: list[int], min_s
         if took:
             prof["step_ms"][n] = [[lv, ms] for lv, ms in sorted(have.items())]
             src.setdefault("telemetry_points", {})[n] = took
-            left = [lv for lv in src.get("no_clean_window", {}).get(n, []) if lv not in have]
-            if n in src.get("no_clean_window", {}):
-                if left:
-                    src["no_clean_window"][n] = left
-                else:
-                    del src["no_clean_window"][n]
+            loose = src.get("no_clean_window", {})
+            if n in loose:
+                loose[n] = [lv for lv in loose[n] if lv not in have]
+                if not loose[n]:
+                    del loose[n]
         if check:
             src.setdefault("telemetry_vs_log", {})[n] = check
     if src.get("telemetry_points"):
