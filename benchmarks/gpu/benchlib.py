@@ -154,6 +154,12 @@ def parse_config(tok):
     raise ValueError(f"unknown configuration {tok!r} (sN, tree or sNkKnD)")
 
 
+def file_tag(pol):
+    """A policy or run name as it appears in a call's file names: specctl-<tag>/, <variant>-<tag>.log, ...
+    (pinned:s1/s2/s3 -> pinned_s1-s2-s3, pinned:s1/s3@s1 -> pinned_s1-s3-at-s1)."""
+    return pol.replace(":", "_").replace("/", "-").replace("@", "-at-")
+
+
 PIN_ALL = 1_000_000  # a pinned run's threshold: its configuration below it, i.e. at every batch size
 
 

@@ -33,9 +33,9 @@ import statistics as st
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from benchlib import (OFF, PIN_ALL, iteration_gaps, logit_report, parse_config, parse_decode_lines,  # noqa: E402
-                      parse_policy, path_config, path_profiles, prefill_batches, prefill_window_cost,
-                      steps_after_prefill, telemetry_step_points, write_record)
+from benchlib import (OFF, PIN_ALL, file_tag, iteration_gaps, logit_report, parse_config,  # noqa: E402
+                      parse_decode_lines, parse_policy, path_config, path_profiles, prefill_batches,
+                      prefill_window_cost, steps_after_prefill, telemetry_step_points, write_record)
 
 NO_SPEC_POLICY, DECODE_STATE, TRIVIAL = "off", "plugin-fixed:1:s3", "plugin-fixed:1:s3+verify"
 SKIP_DE = "+skipde"  # the decode state without the steps-0 draft extend (SGLANG_SPEC_SKIP_ZERO_STEP_DRAFT_EXTEND=1)
@@ -569,7 +569,7 @@ def pinned_telemetry(benches: list[dict], log_dirs: list[str]) -> dict[str, list
     pols = {p for b in benches for p in b.get("servers", {}) if p.startswith("pinned:")}
     for d in log_dirs:
         for pol in sorted(pols):
-            folder = os.path.join(d, "specctl-" + pol.replace(":", "_").replace("/", "-"))
+            folder = os.path.join(d, "specctl-" + file_tag(pol))
             where = path_config(f"{pol}@off", PIN_ALL)
             if where and os.path.isdir(folder):
                 out.setdefault(where[0], []).extend(read_telemetry(folder))

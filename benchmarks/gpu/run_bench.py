@@ -759,7 +759,7 @@ def main():
         flags = fraction_args(pol)  # first: a server that does not fit starts nothing, its daemon neither
         args, env_extra, cfg = policy_launch_args(pol, a.draft)
         if cfg is not None:
-            cp = os.path.join(a.out, f"adaptive-{pol.replace(':', '_').replace('/', '-')}.json")
+            cp = os.path.join(a.out, f"adaptive-{B.file_tag(pol)}.json")
             json.dump(cfg, open(cp, "w"))
             args += ["--speculative-adaptive-config", cp]
         env = dict(os.environ, **env_extra)
@@ -792,7 +792,7 @@ def main():
             env = SC.with_pythonpath(env, site)  # keeps the model package's path
         pin = {}
         if pol in pinned_pols:  # no daemon: this process publishes one table at a time (ensure_pin), the decode state first
-            sdir = os.path.join(a.out, f"specctl-{pol.replace(':', '_').replace('/', '-')}")
+            sdir = os.path.join(a.out, f"specctl-{B.file_tag(pol)}")
             os.makedirs(sdir, exist_ok=True)
             rundir = f"/tmp/specctl-run-{port}"
             os.makedirs(rundir, mode=0o700, exist_ok=True)
@@ -815,7 +815,7 @@ def main():
                                      decision_log=os.path.join(sdir, "decisions-rank{rank}.txt")))
             env.update(env_extra)
             env = SC.with_pythonpath(env, site)
-        lp = os.path.join(a.out, f"{a.variant}-{pol.replace(':', '_').replace('/', '-')}.log")
+        lp = os.path.join(a.out, f"{a.variant}-{B.file_tag(pol)}.log")
         return {"policy": pol, "side": side, **pin, **start_server(a.model, port, flags + args, env, lp)}
 
     def fraction_args(pol):
@@ -1008,7 +1008,7 @@ def main():
     def open_loop(sv, rate, rep):
         """One bench_serving run of `rate` against this server: a row of result["open_loop_runs"]."""
         n = max(8, int(round(rate * a.open_loop_s)))
-        out_file = os.path.join(a.out, f"openloop-{sv['policy'].replace(':', '_').replace('/', '-').replace('@', '-at-')}-r{rate}-{rep}.jsonl")
+        out_file = os.path.join(a.out, f"openloop-{B.file_tag(sv['policy'])}-r{rate}-{rep}.jsonl")
         env = dict(os.environ)
         if a.bench_pythonpath is not None:
             env["PYTHONPATH"] = a.bench_pythonpath
@@ -1075,7 +1075,7 @@ def main():
                     log("deadline: no profile", spec)
                     break
                 ensure_pin(sv, int(c))
-                name = pol.replace(":", "_").replace("/", "-").replace("@", "-at-")
+                name = B.file_tag(pol)
                 r = profile_server(sv["port"], a.out, name + "".join(f"-{m}" for m in mods), int(c),
                                    mixed, min(a.profile_steps, 12) if stack else a.profile_steps, stack=stack,
                                    **({"new_tokens": a.new_tokens, "churn": True,

@@ -105,3 +105,9 @@ def test_pinned_runs_against_the_stand_in_follow_each_published_table(tmp_path, 
     assert json.load(open(out / "specctl-pinned_s1-s3" / "telemetry" / ".." / "policies.json"))["pin_switches"] == sw
     pol_file = json.load(open(out / "specctl-pinned_s1-s3" / "policies.json"))
     assert [x["version"] for x in pol_file["policies"]] == list(range(1, len(sw) + 2))
+
+
+@pytest.mark.parametrize("name, tag", [("pinned:s1/s2/s3", "pinned_s1-s2-s3"), ("pinned:s1/s3@s1", "pinned_s1-s3-at-s1"),
+                                       ("plugin-fixed:1:s3+verify", "plugin-fixed_1_s3+verify"), ("off", "off")])
+def test_a_policy_names_its_files_by_one_tag(name, tag):
+    assert B.file_tag(name) == tag
