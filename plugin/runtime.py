@@ -54,6 +54,8 @@ class Targets:
                          "init_forward_metadata_out_graph")
     fi_begin_forward: str = ("sglang.srt.layers.attention.flashinfer_backend.FlashInferIndicesUpdaterPrefill."
                              "call_begin_forward")
+    # flashinfer prefill (EXTEND) plans from host lengths only
+    fi_init_metadata: str = "sglang.srt.layers.attention.flashinfer_backend.FlashInferAttnBackend.init_forward_metadata"
     # the decode state's lengths on the host only (0.5.17)
     fmap_publish: str = "sglang.srt.managers.overlap_utils.FutureMap.publish"
     fmap_resolve: str = "sglang.srt.managers.overlap_utils.FutureMap.resolve_seq_lens_cpu"
@@ -117,6 +119,7 @@ class PluginRuntime:
     catchup = property(lambda self: self._part("catchup"))
     fi_plan = property(lambda self: self._part("fi_plan"))
     host_lens = property(lambda self: self._part("host_lens"))
+    fi_extend = property(lambda self: self._part("fi_extend"))
 
     def _part(self, name: str) -> Any:
         p = self.guard.get(name)
@@ -516,7 +519,7 @@ def publish(rt: Optional[PluginRuntime]) -> None:
 
 
 def live(part: str) -> Any:
-    """The runtime's `part` (plain, catchup, host_lens, fi_plan) while it is on, else None."""
+    """The runtime's `part` (plain, catchup, host_lens, fi_plan, fi_extend) while it is on, else None."""
     obj = getattr(_RUNTIME, part, None)
     return obj if obj is not None and obj.on else None
 

@@ -46,6 +46,7 @@ OPERATOR_TABLE = """\
 | `draft_graphs` | `on` | `on`, `off` | each chain state's draft-extend CUDA graph at its own width (SGLang 0.5.17 captures the launch width, so small states extend eagerly) |
 | `spec_alloc` | `on` | `on`, `off` | the speculative KV allocation reads its lengths as one list (SGLang 0.5.17: two ATen calls per request per step) |
 | `fi_plan` | `off` | `off`, `on`, `check`, `check:N` | flashinfer's verify plan built from host lengths, without plan()'s blocking reads (0.5.23: SGLang's own switch); off until a GPU run checks it |
+| `fi_extend` | `off` | `off`, `on`, `check`, `check:N` | flashinfer's prefill (EXTEND) plans, the target's and the EAGLE draft's extend over it, given host indptrs: plan() makes no blocking reads (the draft's waited for the whole target prefill); off until a GPU run checks it |
 | `host_lens` | `check` | `off`, `on`, `check`, `check:N` | a step after a decode-state step or a prefill takes its lengths from the host, not a device pull; `check` compares the first N (32) with the device's |
 | `catchup` | `off` | `off`, `on`, `N` (>= 2) | steps 0 extends the draft once per N steps (16 with `on`) instead of every step, replaying a state's draft-extend graph where one is N tokens wide (N = 4 with an s3 state); off: its prefill iterations measured slower with `on`, cause unknown |
 
@@ -58,7 +59,8 @@ PATCHES: dict[str, tuple[str, str]] = {
     "plain_decode": ("switch", "on"), "plain_flashinfer": ("switch", "on"), "plain_fa3": ("switch", "off"),
     "plain_logprobs": ("switch", "off"),
     "splitkv": ("switch", "on"), "draft_graphs": ("switch", "on"), "spec_alloc": ("switch", "on"),
-    "fi_plan": ("check", "off"), "host_lens": ("check", "check"), "catchup": ("steps", "off"),
+    "fi_plan": ("check", "off"), "fi_extend": ("check", "off"), "host_lens": ("check", "check"),
+    "catchup": ("steps", "off"),
 }
 ALWAYS_ON = ("trees", "trivial_verify")
 
@@ -105,6 +107,8 @@ class PluginSettings:
     plain_decode_logprobs: bool = False
     fi_verify_host_plan: str = "off"
     fi_verify_check_steps: int = CHECK_STEPS
+    fi_extend_host_plan: str = "off"
+    fi_extend_check_steps: int = CHECK_STEPS
     host_seq_lens: str = "check"
     host_seq_lens_check_steps: int = CHECK_STEPS
     host_seq_lens_set: bool = False  # named in SPECCTL_PATCHES: where it cannot apply, a warning (else info)
@@ -124,6 +128,7 @@ class PluginSettings:
         if self.sync_every < 1:
             raise ValueError(f"sync_every must be >= 1, got {self.sync_every}")
         for name, mode, steps in (("fi_plan", self.fi_verify_host_plan, self.fi_verify_check_steps),
+                                  ("fi_extend", self.fi_extend_host_plan, self.fi_extend_check_steps),
                                   ("host_lens", self.host_seq_lens, self.host_seq_lens_check_steps)):
             if mode not in CHECK_MODES:
                 raise ValueError(f"SPECCTL_PATCHES: {name} must be one of on, off, check, check:N, not {mode!r}")
@@ -146,6 +151,7 @@ class PluginSettings:
                 "plain_logprobs": onoff[self.plain_decode_logprobs], "splitkv": onoff[self.splitkv_verify],
                 "draft_graphs": onoff[self.draft_extend_graphs], "spec_alloc": onoff[self.spec_alloc_list],
                 "fi_plan": check(self.fi_verify_host_plan, self.fi_verify_check_steps),
+                "fi_extend": check(self.fi_extend_host_plan, self.fi_extend_check_steps),
                 "host_lens": check(self.host_seq_lens, self.host_seq_lens_check_steps),
                 "catchup": str(self.draft_catchup) if self.draft_catchup else "off"}
 
@@ -228,11 +234,13 @@ def parse_patches(value: Optional[str]) -> dict[str, Any]:
         if vals[name] not in SWITCH_ON + SWITCH_OFF:
             raise ValueError(f"SPECCTL_PATCHES: {name} must be on or off, not {vals[name]!r}")
         kw[field_] = vals[name] in SWITCH_ON
-    for name, field_ in (("fi_plan", "fi_verify_host_plan"), ("host_lens", "host_seq_lens")):
+    for name, field_, steps_field in (("fi_plan", "fi_verify_host_plan", "fi_verify_check_steps"),
+                                      ("fi_extend", "fi_extend_host_plan", "fi_extend_check_steps"),
+                                      ("host_lens", "host_seq_lens", "host_seq_lens_check_steps")):
         mode, steps = _check_mode(vals[name], name)
         kw[field_] = mode
         if steps is not None:
-            kw[field_.replace("host_plan", "check_steps") if name == "fi_plan" else "host_seq_lens_check_steps"] = steps
+            kw[steps_field] = steps
     kw["host_seq_lens_set"] = "host_lens" in given
     kw["draft_catchup"] = _steps(vals["catchup"])
     return kw

@@ -5,7 +5,8 @@
         AROUND   EAGLEWorkerV2.forward_batch_generation  step time (CUDA events, rank 0) and the batch's context
         AFTER    SchedulerBatchResultProcessor._resolve_spec_v2_tokens   telemetry and the TP policy sync
     the patches (plugin/patches/, each through plugin/guard.py; SPECCTL_PATCHES switches them)
-        trees, trivial_verify, splitkv, draft_graphs, spec_alloc, fi_plan, host_lens, plain_decode, catchup
+        trees, trivial_verify, splitkv, draft_graphs, spec_alloc, fi_plan, fi_extend, host_lens, plain_decode,
+        catchup
     AFTER EAGLEWorkerV2.init_cuda_graphs, last: the start-up line (`specctl: startup {json}`)
 
 Imported only inside SGLang scheduler processes (plugin/__init__.py gates it). Nothing is published (the runtime,
@@ -33,7 +34,8 @@ log = logging.getLogger("specctl.plugin")
 # nothing to do in this SGLang; the order is the registration order (a later hook on a target wraps an earlier one)
 PATCHES: tuple[tuple[str, str], ...] = (
     ("trees", "patch"), ("trees", "width_patch"), ("trivial_verify", "patch"), ("splitkv", "patch"),
-    ("draft_graphs", "patch"), ("spec_alloc", "patch"), ("fi_plan", "patch"), ("host_lens", "patch"),
+    ("draft_graphs", "patch"), ("spec_alloc", "patch"), ("fi_plan", "patch"), ("fi_extend", "patch"),
+    ("host_lens", "patch"),
     ("plain_decode", "patch"), ("catchup", "patch"),
 )
 

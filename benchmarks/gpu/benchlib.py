@@ -35,6 +35,8 @@ NO_FLASHINFER = "+nofi"  # plugin policy suffix: plain_flashinfer=off (flashinfe
 FA3_PLAIN = "+fa3plain"  # plugin policy suffix: plain_fa3=on (the decode state on fa3; off: SGLang's steps-0 there)
 FI_HOST_PLAN = "+fihost"  # plugin policy suffix: fi_plan=check (flashinfer's verify plan from host values, compared
 #                           with plan()'s for its first 32 plans; a mismatch logs and turns it off)
+FI_EXTEND = "+fiext"  # plugin policy suffix: fi_extend=check (flashinfer's prefill plans, the target's and the draft's
+#                      extend over it, with host indptrs: plan() makes no blocking reads; compared at first)
 HOST_LENS = "+hostlens"  # plugin policy suffix: host_lens=check (a step after a decode-state step or a prefill takes its
 #                         sequence lengths from the host, compared with the device pull at first; the default)
 NO_HOST_LENS = "+nohostlens"  # plugin policy suffix: host_lens=off (SGLang's device pull every step: the control)
@@ -56,6 +58,7 @@ PLUGIN_SWITCHES = {
     LOGPROBS: ("plain_decode_logprobs", True, "plain_logprobs", "on", "it lets logprob steps into its decode state"),
     FLASHINFER: ("plain_decode_flashinfer", True, "plain_flashinfer", "on", "it builds its decode state on flashinfer"),
     FI_HOST_PLAN: ("fi_verify_host_plan", True, "fi_plan", "check", "it plans flashinfer's verify from host values"),
+    FI_EXTEND: ("fi_extend_host_plan", True, "fi_extend", "check", "it plans flashinfer's prefills from host indptrs"),
     HOST_LENS: ("host_seq_lens", True, "host_lens", "check", "it keeps the decode state's sequence lengths on the host"),
     FA3_PLAIN: ("plain_decode_fa3", True, "plain_fa3", "on", "it builds its decode state on fa3"),
     NO_FLASHINFER: ("plain_decode_flashinfer", False, "plain_flashinfer", "off",

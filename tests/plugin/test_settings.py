@@ -36,7 +36,7 @@ def test_the_defaults_are_the_patch_defaults():
     s = PluginSettings.from_env({})
     assert s.patch_modes() == {"plain_decode": "on", "plain_flashinfer": "on", "plain_fa3": "off", "plain_logprobs": "off",
                                "splitkv": "on", "draft_graphs": "on", "spec_alloc": "on", "fi_plan": "off",
-                               "host_lens": "check:32", "catchup": "off"}
+                               "fi_extend": "off", "host_lens": "check:32", "catchup": "off"}
     assert {k: v[1] for k, v in PATCHES.items()}["host_lens"] == "check"
 
 
