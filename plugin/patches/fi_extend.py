@@ -10,6 +10,10 @@ plans a second EXTEND right after the target's prefill is queued, the draft's ex
 (EagleDraftWorker._draft_extend_for_prefill): its reads wait for the whole target prefill, and the host prepares
 nothing while it runs. The lengths are host values already: the scheduler builds the batch's device lengths from
 the same lists (ForwardBatch.seq_lens_cpu, extend_prefix_lens_cpu), and plan() takes host indptrs as they are.
+That wait costs only where a prefill's GPU time exceeds the host's: on the testbed's short prompts (100-500 tokens,
+8B-class target, breakable prefill graphs) the prefill iteration is host-bound and plan()'s reads waited 0.05 ms
+a window (the 2026-12-07 flashinfer churn profile: extend GPU 12-20 ms, host 45-58 ms); long prompts (a few
+thousand tokens: GPU time above the host's) are where it should show. Off until a GPU run measures it.
 
     AROUND FlashInferAttnBackend.init_forward_metadata          an EXTEND batch (the target's prefill, the draft's
            extend over it; eager or in a breakable prefill CUDA graph, which plans eagerly): its host lengths, for
