@@ -238,6 +238,12 @@ def test_the_source_contract_the_hooks_rely_on():
     assert "self.kv_last_page_len[:bs]," in text
     body = ast.get_source_segment(_source("srt/layers/attention/flashinfer_backend.py"), init_md)
     assert "extend_prefix_lens_cpu=forward_batch.extend_prefix_lens_cpu" in body
+    # a breakable prefill CUDA graph replays with the eager init_forward_metadata unless the backend opts into
+    # captured metadata, which flashinfer does not
+    assert "use_captured_forward_metadata_for_breakable_cuda_graph" not in \
+        _source("srt/layers/attention/flashinfer_backend.py")
+    runner = _source("srt/model_executor/runner/prefill_cuda_graph_runner.py")
+    assert "attn_backend.init_forward_metadata(forward_batch)" in runner
     # the draft's extend over a prefill is an EXTEND forward of the draft runner, planned eagerly
     worker = _source("srt/speculative/eagle_worker_v2.py")
     assert "def _draft_extend_for_prefill" in worker and "self.draft_runner.forward(forward_batch)" in worker
