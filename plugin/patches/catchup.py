@@ -21,8 +21,10 @@ prefill iterations dearer is what the catchup=4 A/B on the GPU is for).
 
 When to catch up is decided by counting steps alone; what is pending per request lives on the GPU (no
 sync). TP 1 only for now: a failure on one rank alone would leave the ranks extending the draft on
-different steps. Any failure turns it off for the rest of the process (logged once): the steps-0 steps extend the draft one by one again, and the requests pending at that
-moment keep a draft with gaps until they finish (fewer accepted tokens, never a wrong one: the target's
+different steps. A triton draft only: without host counts of what is pending, the window has no host lengths
+(SGLang's gpu_only draft-extend path), which flashinfer's draft-extend plan needs (unsupported_reason).
+Any failure turns it off for the rest of the process (logged once): the steps-0 steps extend the draft one by one
+again, and the requests pending at that moment keep a draft with gaps until they finish (fewer accepted tokens, never a wrong one: the target's
 verify decides every token). Imported only inside SGLang scheduler processes.
 """
 
@@ -35,7 +37,7 @@ from typing import Any, Callable, Optional
 
 from .. import runtime as _rt
 from ..guard import AFTER, AROUND, BEFORE, Patch, PatchObject
-from .plain_decode import _attrs
+from .plain_decode import TRITON, _attrs
 
 NAME = "catchup"
 LOST = "no draft catch-up: steps 0 extends the draft every step"
@@ -229,6 +231,12 @@ def unsupported_reason(worker: Any, *, trees: bool, plain_reason: Optional[str],
             return f"the draft worker has no {name}"
     if not hasattr(worker, "_stub_skipped_draft_extend"):
         return "this SGLang has no _stub_skipped_draft_extend"
+    backend = type(getattr(getattr(dw, "draft_runner", None), "attn_backend", None)).__name__
+    if backend != TRITON:
+        # what is pending per request lives on the GPU, so the catch-up's window has no host lengths (SGLang's
+        # gpu_only draft-extend path); flashinfer plans a draft extend from host lengths: its draft-extend graphs'
+        # fast_prefill_plan asserts seq_lens_cpu, its eager plan reads extend_prefix_lens_cpu (0.5.17)
+        return f"the draft's {backend} attention plans a draft extend from host lengths, which the catch-up lacks"
     return None
 
 

@@ -79,6 +79,13 @@ class ForwardBatch:
                                mark_forward_metadata_ready=lambda: None)
 
 
+class TritonAttnBackend:
+    """The draft's attention backend, by the name the catch-up checks: its metadata needs no host lengths."""
+
+    def init_forward_metadata(self, fb: Any) -> None:
+        return None
+
+
 class ToyDraft:
     """A one-layer 'draft model' over a KV pool of float64 scalars, one per slot. Row r of request i (position
     q = prefix_i + r, token x, target hidden h): its context c = the sum of the KV values of positions < prefix_i
@@ -93,7 +100,7 @@ class ToyDraft:
         self.canary_manager = None
         self.spec_algorithm = SimpleNamespace(is_standalone=lambda: False)
         self.model_config = SimpleNamespace(model_is_mrope=False, vocab_size=DRAFT_VOCAB)
-        self.attn_backend = SimpleNamespace(init_forward_metadata=lambda fb: None)
+        self.attn_backend = TritonAttnBackend()  # plans a draft extend without host lengths, as triton does
 
     def forward(self, fb: Any) -> SimpleNamespace:
         hidden = fb.spec_info.hidden_states.to(torch.float64)

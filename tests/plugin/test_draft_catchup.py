@@ -309,8 +309,13 @@ def test_the_ring_must_hold_two_steps():
         dc.DraftCatchup(k=1, worker=SimpleNamespace(), torch_mod=torch)
 
 
-def _worker(**sa):
-    dw = SimpleNamespace(_draft_extend_for_decode=1, _draft_extend_for_prefill=1, draft=1, req_to_token_pool=1)
+def _backend(name):
+    return type(name, (), {})()
+
+
+def _worker(draft_backend="TritonAttnBackend", **sa):
+    dw = SimpleNamespace(_draft_extend_for_decode=1, _draft_extend_for_prefill=1, draft=1, req_to_token_pool=1,
+                         draft_runner=SimpleNamespace(attn_backend=_backend(draft_backend)))
     return SimpleNamespace(_draft_worker=dw, _stub_skipped_draft_extend=1, server_args=SimpleNamespace(**sa))
 
 
@@ -334,6 +339,16 @@ def test_mixed_chunks_tensor_parallelism_and_missing_methods_are_named():
     w = _worker()
     del w._draft_worker.draft
     assert "no draft" in dc.unsupported_reason(w, trees=False, plain_reason=None)
+
+
+@pytest.mark.parametrize("backend, ok", [("TritonAttnBackend", True), ("FlashInferAttnBackend", False),
+                                         ("FlashAttentionBackend", False)])
+def test_only_a_triton_draft_extends_without_host_lengths(backend, ok):
+    """The catch-up's window has no host lengths (what is pending lives on the GPU): flashinfer's draft-extend plan
+    needs them (0.5.17: fast_prefill_plan asserts seq_lens_cpu), so the catch-up is refused up front there, not
+    turned off by the first catch-up's error."""
+    got = dc.unsupported_reason(_worker(draft_backend=backend), trees=False, plain_reason=None)
+    assert (got is None) if ok else (backend in got and "host lengths" in got)
 
 
 @pytest.mark.parametrize("value,k", [(None, 0), ("off", 0), ("0", 0), ("on", 16), ("1", 16), ("8", 8)])
