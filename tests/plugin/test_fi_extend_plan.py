@@ -247,3 +247,61 @@ def test_the_source_contract_the_hooks_rely_on():
     # the draft's extend over a prefill is an EXTEND forward of the draft runner, planned eagerly
     worker = _source("srt/speculative/eagle_worker_v2.py")
     assert "def _draft_extend_for_prefill" in worker and "self.draft_runner.forward(forward_batch)" in worker
+
+
+# ----------------------------------------------------------------------------- through SGLang's hook registry
+
+WIRED = r"""
+    import json, logging, sys
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr)
+    import fi_extend_harness as fx
+    from types import ModuleType
+    from sglang.srt.plugins.hook_registry import HookRegistry
+    from specctl.plugin import sglang_hooks
+    from specctl.plugin.engine import PluginSettings
+    h = fx.Harness()
+    h.Backend.init_forward_metadata_out_graph = lambda self, fb, in_capture=False: None  # fi_plan's target (unused)
+    mod = ModuleType("specctl_fx_targets")
+    mod.FlashInferAttnBackend, mod.FlashInferIndicesUpdaterPrefill = h.Backend, h.Updater
+    sys.modules["specctl_fx_targets"] = mod
+    t = sglang_hooks.Targets(
+        fi_out_graph="specctl_fx_targets.FlashInferAttnBackend.init_forward_metadata_out_graph",
+        fi_begin_forward="specctl_fx_targets.FlashInferIndicesUpdaterPrefill.call_begin_forward",
+        fi_init_metadata=sys.argv[1])
+    s = PluginSettings.from_env({"SPECCTL_PATCHES": "fi_extend=on,fi_plan=on", "SPECCTL_TELEMETRY": "none",
+                                 "SPECCTL_POLICY": "none"})
+    rt = sglang_hooks.install(s, targets=t)
+    HookRegistry.apply_hooks()
+    problems = rt.check_hooks()  # the harness's targets; SGLang's CUDA-only modules do not import here
+    h.plan(h.batch([83, 40], [0, 32], slots=[3, 5]))
+    hp = rt.fi_extend
+    print(json.dumps({"on": hp is not None and hp.on, "problems": [p for p in problems if "specctl_fx_targets" in p],
+                      "host_plans": 0 if hp is None else hp.num_host_plans, "reads": h.reads.names}))
+"""
+
+
+def _run(code: str) -> dict:
+    import json
+    import os
+    import subprocess
+    import sys
+    import textwrap
+
+    p = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=180,
+                       env={**os.environ, "PYTHONWARNINGS": "ignore"}, cwd=str(Path(__file__).parent))
+    assert p.returncode == 0, p.stderr[-4000:]
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.sglang
+def test_through_sglangs_hook_registry_a_prefill_plan_reads_nothing(fx):
+    """Both hooks applied by SGLang's own registry, beside fi_plan's AROUND on the same call_begin_forward."""
+    got = _run(WIRED.replace("sys.argv[1]", repr("specctl_fx_targets.FlashInferAttnBackend.init_forward_metadata")))
+    assert got == {"on": True, "problems": [], "host_plans": 2, "reads": []}
+
+
+@pytest.mark.sglang
+def test_a_hook_that_did_not_take_effect_turns_it_off_and_plan_reads_as_before(fx):
+    got = _run(WIRED.replace("sys.argv[1]", repr("specctl_fx_targets.NoSuchBackend.init_forward_metadata")))
+    assert not got["on"] and got["host_plans"] == 0 and got["reads"] == RAGGED_READS
+    assert any("NoSuchBackend" in p for p in got["problems"])
