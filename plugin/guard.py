@@ -187,6 +187,13 @@ class PatchObject:
     def off_reason(self) -> Optional[str]:
         return self.patch.off_reason
 
+    def say(self, msg: str, level: int = logging.INFO) -> None:
+        """Log `msg` once in this object's life (a refusal that repeats every step is said at its first)."""
+        said = self.__dict__.setdefault("_said", set())
+        if msg not in said:
+            said.add(msg)
+            log.log(level, "specctl: %s", msg)
+
 
 class _Call:
     """SGLang's original, as handed to an AROUND hook: records whether it ran and whether it raised."""

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import functools
 import inspect
-import logging
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -41,11 +40,10 @@ import torch
 
 from .. import runtime as _rt
 from ..guard import AROUND, Patch, PatchObject
+from .fi_plan import _show, _signature
 
 NAME = "fi_extend"
 LOST = "flashinfer prefill plans keep plan()'s blocking device-to-host reads"
-
-log = logging.getLogger("specctl.plugin")
 
 # flashinfer backends whose plan() takes host indptrs as they are (cutlass plans on the indptrs' device; cudnn,
 # cute-dsl and trtllm-gen take other paths)
@@ -144,7 +142,6 @@ class ExtendHostPlan(PatchObject):
         self.pin = torch.cuda.is_available() if pin is None else pin
         self.num_host_plans = 0  # wrapper plans given host indptrs
         self.num_checked = 0
-        self._said: set[str] = set()
 
     # ------------------------------------------------------------------ hooks
 
@@ -252,22 +249,6 @@ class ExtendHostPlan(PatchObject):
             self.say(f"self-check passed: {self.num_checked} prefill plans' host indptrs equal the device's; "
                      "host indptrs from now on")
         return None
-
-    def say(self, msg: str, level: int = logging.INFO) -> None:
-        if msg not in self._said:
-            self._said.add(msg)
-            log.log(level, "specctl: %s", msg)
-
-
-@functools.lru_cache(maxsize=8)
-def _signature(fn: Callable[..., Any]) -> inspect.Signature:
-    return inspect.signature(fn)
-
-
-def _show(x: Any) -> str:
-    x = x.flatten()[:8].tolist() + (["..."] if x.numel() > 8 else [])
-    s = str(x)
-    return s if len(s) <= 120 else s[:117] + "..."
 
 
 # ---------------------------------------------------------------------------- hooks

@@ -156,7 +156,6 @@ class HostPlan(PatchObject):
         self.num_host_plans = 0
         self.num_checked = 0
         self._pack = pack
-        self._said: set[str] = set()
 
     # ------------------------------------------------------------------ hooks
 
@@ -362,10 +361,6 @@ class HostPlan(PatchObject):
 
     # ------------------------------------------------------------------ helpers
 
-    def say(self, msg: str, level: int = logging.INFO) -> None:
-        if msg not in self._said:
-            self._said.add(msg)
-            log.log(level, "specctl: %s", msg)
 
 
 def snapshot(w: Any, mask_bytes: int, layout: HostLayout) -> dict[str, Any]:
