@@ -40,7 +40,7 @@ import torch
 
 from .. import runtime as _rt
 from ..guard import AROUND, Patch, PatchObject
-from .fi_plan import _show, _signature
+from .fi_plan import _show, _signature, layout_refusal
 
 NAME = "fi_extend"
 LOST = "flashinfer prefill plans keep plan()'s blocking device-to-host reads"
@@ -91,14 +91,9 @@ def batch_refusal(backend: Any, forward_batch: Any) -> Optional[str]:
         return "not an EXTEND batch"
     if getattr(backend, "is_multimodal", False) or getattr(backend, "enable_mis", False):
         return "multimodal or multi-item scoring"
-    if getattr(backend, "dispatch_reason", None) is not None:
-        return f"{getattr(backend.dispatch_reason, 'name', backend.dispatch_reason)} wrappers"
-    if getattr(backend, "use_sliding_window_kv_pool", False):
-        return "a sliding-window KV pool"
-    if getattr(backend, "page_size", 1) != 1:
-        return f"page size {backend.page_size}"
-    if getattr(backend, "prefill_uses_dequant_workspace", False):
-        return "an FP4 dequant workspace"
+    why = layout_refusal(backend)
+    if why is not None:
+        return why
     if getattr(forward_batch, "encoder_lens", None) is not None:
         return "an encoder-decoder batch"
     if getattr(forward_batch, "cross_attention_custom_mask", None) is not None:

@@ -80,7 +80,20 @@ def capture_refusal(backend: Any, forward_batch: Any, pack_problem: Optional[str
         return "no custom mask"
     if backend.prefill_backend != "fa2":
         return f"prefill backend {backend.prefill_backend}"
-    if backend.dispatch_reason is not None:
+    why = layout_refusal(backend)
+    if why is not None:
+        return why
+    if getattr(backend, "flashinfer_kv_cache_dtype", None) not in KV_DTYPES:
+        return f"KV cache dtype {getattr(backend, 'flashinfer_kv_cache_dtype', None)}"
+    if forward_batch.seq_lens_cpu is None:
+        return "no host seq_lens"
+    return pack_problem
+
+
+def layout_refusal(backend: Any) -> Optional[str]:
+    """Why a FlashInferAttnBackend's plans are not the one layout a host-built plan reproduces (one full-attention
+    wrapper, page size 1, the KV cache itself), or None; shared with fi_extend."""
+    if getattr(backend, "dispatch_reason", None) is not None:
         return f"{getattr(backend.dispatch_reason, 'name', backend.dispatch_reason)} wrappers"
     if getattr(backend, "use_sliding_window_kv_pool", False):
         return "a sliding-window KV pool"
@@ -88,11 +101,7 @@ def capture_refusal(backend: Any, forward_batch: Any, pack_problem: Optional[str
         return f"page size {backend.page_size}"
     if getattr(backend, "prefill_uses_dequant_workspace", False):
         return "an FP4 dequant workspace"
-    if getattr(backend, "flashinfer_kv_cache_dtype", None) not in KV_DTYPES:
-        return f"KV cache dtype {getattr(backend, 'flashinfer_kv_cache_dtype', None)}"
-    if forward_batch.seq_lens_cpu is None:
-        return "no host seq_lens"
-    return pack_problem
+    return None
 
 
 def wrapper_refusal(w: Any) -> Optional[str]:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from functools import partial
+from functools import lru_cache, partial
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, List, Optional, Union
@@ -176,14 +176,7 @@ def load_sglang() -> SimpleNamespace:
     return SimpleNamespace(ns=ns, backend=backend, updater=updater)
 
 
-_SGLANG = None
-
-
-def sglang_defs() -> SimpleNamespace:
-    global _SGLANG
-    if _SGLANG is None:
-        _SGLANG = load_sglang()
-    return _SGLANG
+sglang_defs = lru_cache(maxsize=1)(load_sglang)  # the SGLang definitions, compiled once per process
 
 
 class Harness:
