@@ -48,7 +48,7 @@ OPERATOR_TABLE = """\
 | `fi_plan` | `off` | `off`, `on`, `check`, `check:N` | flashinfer's verify plan built from host lengths, without plan()'s blocking reads (0.5.23: SGLang's own switch); off until a GPU run checks it |
 | `fi_extend` | `off` | `off`, `on`, `check`, `check:N` | flashinfer's prefill (EXTEND) plans, the target's and the EAGLE draft's extend over it, given host indptrs: plan() makes no blocking reads (they cost where a prefill's GPU time exceeds the host's: long prompts); off until a GPU run checks it |
 | `host_lens` | `check` | `off`, `on`, `check`, `check:N` | a step after a decode-state step or a prefill takes its lengths from the host, not a device pull; `check` compares the first N (32) with the device's |
-| `catchup` | `off` | `off`, `on`, `N` (>= 2) | steps 0 extends the draft once per N steps (16 with `on`) instead of every step, replaying a state's draft-extend graph where one is N tokens wide (N = 4 with an s3 state); a triton draft only; off: its prefill iterations measured slower with `on`, cause unknown |
+| `catchup` | `off` | `off`, `on`, `N` (>= 2) | steps 0 extends the draft once per N steps (16 with `on`) instead of every step, replaying a state's draft-extend graph where one is N tokens wide (N = 4 with an s3 state); a triton or flashinfer draft (flashinfer's window planned from host lengths); off: its prefill iterations measured slower with `on` on triton, cause unknown |
 
 `trees` (tree states from the adaptive config's `specctl.states`) and `trivial_verify` (steps-0 tokens as int64)
 are patches too, always on where they apply; `SPECCTL_PATCHES` does not switch them.

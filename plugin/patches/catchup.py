@@ -19,10 +19,15 @@ state), the catch-up replays that graph (static buffers); otherwise it extends e
 logits each time (K = 16 with catchup=on: 16 rows a request; whether those allocations are what makes the
 prefill iterations dearer is what the catchup=4 A/B on the GPU is for).
 
-When to catch up is decided by counting steps alone; what is pending per request lives on the GPU (no
-sync). TP 1 only for now: a failure on one rank alone would leave the ranks extending the draft on
-different steps. A triton draft only: without host counts of what is pending, the window has no host lengths
-(SGLang's gpu_only draft-extend path), which flashinfer's draft-extend plan needs (unsupported_reason).
+When to catch up is decided by counting steps alone. What is pending per request is counted on the host, by
+request-pool row (the scheduler's `req_pool_indices_cpu`), in the same hooks and the same order as the steps that
+make it pending, so it is exact without a sync; each catch-up hands its counts to the GPU (a non-blocking copy of
+one integer a request) for the window's rows. A triton draft plans its window on the GPU (SGLang's gpu_only
+draft-extend path: no host lengths); a flashinfer draft plans a draft extend from host lengths (0.5.17: its
+draft-extend graphs' fast_prefill_plan asserts seq_lens_cpu, its eager plan reads extend_prefix_lens_cpu), so its
+window also gets them: where it starts, the step's host lengths (`seq_lens_cpu`, which SGLang resolves for every
+flashinfer step) less what is pending. Other attention backends are refused (unsupported_reason). TP 1 only for
+now: a failure on one rank alone would leave the ranks extending the draft on different steps.
 Any failure turns it off for the rest of the process (logged once): the steps-0 steps extend the draft one by one
 again, and the requests pending at that moment keep a draft with gaps until they finish (fewer accepted tokens, never a wrong one: the target's
 verify decides every token). Imported only inside SGLang scheduler processes.
@@ -35,9 +40,11 @@ import logging
 from types import SimpleNamespace
 from typing import Any, Callable, Optional
 
+import numpy as np
+
 from .. import runtime as _rt
 from ..guard import AFTER, AROUND, BEFORE, Patch, PatchObject
-from .plain_decode import TRITON, _attrs
+from .plain_decode import FLASHINFER, TRITON, _attrs
 
 NAME = "catchup"
 LOST = "no draft catch-up: steps 0 extends the draft every step"
@@ -46,9 +53,11 @@ log = logging.getLogger("specctl.plugin")
 
 class DraftCatchup(PatchObject):
     """The rings, what is pending, and the step count of one EAGLE worker's draft. `torch` is given so
-    that the CPU tests can run it on CPU tensors."""
+    that the CPU tests can run it on CPU tensors. `host_plan`: the draft's attention plans a draft extend from host
+    lengths (flashinfer), so each window is given them."""
 
-    def __init__(self, *, k: int, worker: Any, torch_mod: Any, patch: Optional[Patch] = None, graph: Any = None):
+    def __init__(self, *, k: int, worker: Any, torch_mod: Any, patch: Optional[Patch] = None, graph: Any = None,
+                 host_plan: bool = False):
         self.patch = patch if patch is not None else Patch(NAME, lost=LOST)
         if k < 2:
             raise ValueError(f"catchup needs a ring of at least 2 steps, not {k}")
@@ -58,12 +67,13 @@ class DraftCatchup(PatchObject):
         # batch within its sizes), else extends eagerly (a window of k rows a request, its logits allocated anew)
         self.graph = graph
         self.torch = torch_mod
+        self.host_plan = host_plan
         self.worker = worker  # EAGLEWorkerV2: its own zero stubs for skipped draft outputs
         dw = worker._draft_worker
         self.device = dw.device
         self.req_to_token = dw.req_to_token_pool.req_to_token  # [pool size, max context] KV slot per position
         pool = int(self.req_to_token.shape[0])
-        self.pending = torch_mod.zeros((pool,), dtype=torch_mod.int64, device=self.device)
+        self.pending = np.zeros(pool, dtype=np.int64)  # steps-0 tokens not yet in the draft, per request-pool row
         self.tokens = torch_mod.zeros((pool, k), dtype=torch_mod.int64, device=self.device)
         self.hidden: Any = None  # [pool, k, target hidden width], at the first steps-0 step (its width)
         self.window = torch_mod.arange(k, dtype=torch_mod.int64, device=self.device)
@@ -71,6 +81,7 @@ class DraftCatchup(PatchObject):
         self.extend_fn: Optional[Callable[..., Any]] = None  # SGLang's _draft_extend_for_decode, unhooked
         self.num_recorded = 0
         self.num_catchups = 0
+        self.num_pulls = 0  # catch-ups of a host-planning draft whose batch had no host lengths: read from the GPU
 
     # ------------------------------------------------------------------ per step
 
@@ -123,7 +134,7 @@ class DraftCatchup(PatchObject):
         if batch.forward_mode.is_idle():
             return
         try:
-            self.pending.index_fill_(0, batch.req_pool_indices.to(self.torch.int64), 0)
+            self.pending[rows_of(batch)] = 0
         except Exception as e:  # noqa: BLE001
             self.patch.turn_off(f"resetting a prefilled request failed: {type(e).__name__}: {e}")
 
@@ -143,11 +154,12 @@ class DraftCatchup(PatchObject):
             log.info("specctl: draft catch-up ring: %d request slots x %d steps x %d hidden (%.1f MB)",
                      self.hidden.shape[0], self.k, hidden.shape[-1],
                      self.hidden.numel() * self.hidden.element_size() / 1e6)
+        rows = rows_of(batch)
         idx = batch.req_pool_indices.to(t.int64)
         ring = t.remainder(batch.seq_lens.to(t.int64), self.k)
         self.hidden[idx, ring] = hidden.to(self.hidden.dtype)
         self.tokens[idx, ring] = result.next_token_ids.to(t.int64)
-        self.pending.index_add_(0, idx, t.ones_like(idx))
+        self.pending[rows] += 1  # a batch holds each row once
         self.num_recorded += 1
 
     def window_of(self, batch: Any, end_offset: int) -> SimpleNamespace:
@@ -158,7 +170,9 @@ class DraftCatchup(PatchObject):
         t = self.torch
         idx = batch.req_pool_indices.to(t.int64)
         end = batch.seq_lens.to(t.int64) + end_offset
-        p = self.pending.index_select(0, idx)
+        host_rows = rows_of(batch)
+        p_host = self.pending[host_rows]
+        p = t.from_numpy(p_host).to(self.device, non_blocking=True)
         start = end - p
         pos = start[:, None] + self.window[None, :]
         valid = self.window[None, :] < p[:, None]
@@ -167,7 +181,7 @@ class DraftCatchup(PatchObject):
         zero = t.zeros_like(pos)
         r2t = self.req_to_token
         loc = r2t[rows, pos.clamp(0, r2t.shape[1] - 1)].to(t.int64)
-        return SimpleNamespace(idx=idx, start=start, pending=p, end=end,
+        return SimpleNamespace(idx=idx, host_rows=host_rows, start=start, pending=p, pending_host=p_host, end=end,
                                tokens=t.where(valid, self.tokens[rows, ring], zero).reshape(-1),
                                hidden=self.hidden[rows, ring].reshape(-1, self.hidden.shape[-1]),
                                loc=t.where(valid, loc, zero).reshape(-1))
@@ -184,16 +198,34 @@ class DraftCatchup(PatchObject):
         w = self.window_of(batch, end_offset)
         sub = copy.copy(batch)
         sub.seq_lens, sub.seq_lens_cpu, sub.seq_lens_sum, sub.out_cache_loc = w.start, None, None, w.loc
+        if self.host_plan:  # SGLang's host path: prefix lengths and the window's lengths as lists, from these
+            sub.seq_lens_cpu = self.host_start(batch, end_offset, w.pending_host)
+            sub.seq_lens_sum = int(sub.seq_lens_cpu.sum())
         result = SimpleNamespace(logits_output=SimpleNamespace(hidden_states=w.hidden),
                                  accept_lens=w.pending.clamp(min=1).to(t.int32), next_token_ids=w.tokens,
                                  next_draft_input=SimpleNamespace(draft_probs=None, dsa_topk_indices=None),
                                  new_seq_lens=w.end, prepared_draft_extend_inputs=None)
         with _attrs(dw, speculative_num_draft_tokens=self.k, cuda_graph_runner_for_draft_extend=self.graph):
             self.extend_fn(dw, sub, result)
-        self.pending.index_fill_(0, w.idx, 0)
+        self.pending[w.host_rows] = 0
         self.since = 0
         self.num_catchups += 1
         return result.next_draft_input, w.pending > 0
+
+    def host_start(self, batch: Any, end_offset: int, pending: np.ndarray) -> Any:
+        """Where each request's window starts, on the host: its committed length (the batch's host lengths, as
+        SGLang resolved them for the step; read from the GPU where the batch has none, counted) plus `end_offset`,
+        less what is pending."""
+        t = self.torch
+        lens = getattr(batch, "seq_lens_cpu", None)
+        if lens is None:
+            lens = batch.seq_lens.cpu()
+            self.num_pulls += 1
+            if self.num_pulls == 1:
+                log.info("specctl: draft catch-up: a batch without host sequence lengths; its window's lengths "
+                         "were read from the GPU (counted in num_pulls)")
+        lens = t.as_tensor(lens, dtype=t.int64)
+        return lens + end_offset - t.from_numpy(pending)
 
 
 # ---------------------------------------------------------------------------- start-up
@@ -231,13 +263,28 @@ def unsupported_reason(worker: Any, *, trees: bool, plain_reason: Optional[str],
             return f"the draft worker has no {name}"
     if not hasattr(worker, "_stub_skipped_draft_extend"):
         return "this SGLang has no _stub_skipped_draft_extend"
-    backend = type(getattr(getattr(dw, "draft_runner", None), "attn_backend", None)).__name__
-    if backend != TRITON:
-        # what is pending per request lives on the GPU, so the catch-up's window has no host lengths (SGLang's
-        # gpu_only draft-extend path); flashinfer plans a draft extend from host lengths: its draft-extend graphs'
-        # fast_prefill_plan asserts seq_lens_cpu, its eager plan reads extend_prefix_lens_cpu (0.5.17)
-        return f"the draft's {backend} attention plans a draft extend from host lengths, which the catch-up lacks"
+    backend = draft_backend(worker)
+    if backend not in (TRITON, FLASHINFER):
+        # a triton draft plans the window on the GPU, a flashinfer one from the host lengths the catch-up gives it;
+        # what any other backend's draft-extend plan reads of a window has not been checked
+        return f"the draft's attention backend is {backend} (the catch-up extends a triton or flashinfer draft)"
     return None
+
+
+def draft_backend(worker: Any) -> str:
+    """The class name of the attention backend SGLang's steps-0 draft extend plans with (prepare_for_draft_extend:
+    the draft model runner's)."""
+    dw = getattr(worker, "_draft_worker", None)
+    return type(getattr(getattr(dw, "draft_runner", None), "attn_backend", None)).__name__
+
+
+def rows_of(batch: Any) -> np.ndarray:
+    """The batch's request-pool rows as the scheduler holds them on the host (ScheduleBatch.req_pool_indices_cpu,
+    in the order of req_pool_indices)."""
+    rows = getattr(batch, "req_pool_indices_cpu", None)
+    if rows is None:
+        raise RuntimeError("the batch has no host request-pool rows (req_pool_indices_cpu)")
+    return np.asarray(rows.numpy() if hasattr(rows, "numpy") else rows, dtype=np.int64)
 
 
 def graph_of_width(worker: Any, k: int) -> Any:
@@ -268,15 +315,18 @@ def build(worker: Any, *, k: int, trees: bool, plain_reason: Optional[str],
             return why
         import torch
 
-        return DraftCatchup(k=k, worker=worker, torch_mod=torch, patch=patch, graph=graph_of_width(worker, k))
+        return DraftCatchup(k=k, worker=worker, torch_mod=torch, patch=patch, graph=graph_of_width(worker, k),
+                            host_plan=draft_backend(worker) == FLASHINFER)
 
     cu = patch.build(make)
     if cu is not None:
         log.info("specctl: draft catch-up on: steps 0 extends the draft once per %d steps (and before the first "
-                 "draft after plain decode) instead of every step, %s (SPECCTL_PATCHES=catchup=off: every step)", k,
+                 "draft after plain decode) instead of every step, %s, planned %s (SPECCTL_PATCHES=catchup=off: "
+                 "every step)", k,
                  "replaying the draft-extend CUDA graph of the state that is %d tokens wide where the batch fits it" % k
                  if cu.graph is not None else
-                 "eagerly (no runtime state's draft-extend graph is %d tokens wide)" % k)
+                 "eagerly (no runtime state's draft-extend graph is %d tokens wide)" % k,
+                 "from host lengths (flashinfer draft)" if cu.host_plan else "on the GPU (triton draft)")
     return cu
 
 

@@ -66,12 +66,16 @@ class ForwardBatch:
         """What the draft forward reads of SGLang's ForwardBatch.init_new for an extend-mode batch."""
         assert batch.forward_mode.is_draft_extend_v2()
         prefix, ext = batch.prefix_lens, batch.extend_lens
-        if isinstance(prefix, list):
+        prefix_cpu = ext_cpu = None
+        if isinstance(prefix, list):  # SGLang's host path: the lists become the *_cpu mirrors
+            assert isinstance(ext, list)
+            prefix_cpu, ext_cpu = prefix, ext
             prefix, ext = torch.tensor(prefix), torch.tensor(ext)
         positions = torch.cat([torch.arange(int(p), int(p) + int(e)) for p, e in zip(prefix, ext)])
         return SimpleNamespace(forward_mode=batch.forward_mode, batch_size=len(batch.seq_lens), input_ids=batch.input_ids,
                                req_pool_indices=batch.req_pool_indices, seq_lens=batch.seq_lens,
                                seq_lens_cpu=batch.seq_lens_cpu, seq_lens_sum=batch.seq_lens_sum,
+                               extend_prefix_lens_cpu=prefix_cpu, extend_seq_lens_cpu=ext_cpu,
                                out_cache_loc=batch.out_cache_loc, spec_info=batch.spec_info,
                                extend_prefix_lens=prefix.to(torch.int64), extend_seq_lens=ext.to(torch.int64),
                                positions=positions, capture_hidden_mode=capture_hidden_mode,
@@ -86,6 +90,29 @@ class TritonAttnBackend:
         return None
 
 
+class FlashInferAttnBackend:
+    """A flashinfer draft's attention backend, by the name the catch-up checks: its draft-extend plan reads host
+    lengths (0.5.17's extend path: extend_prefix_lens_cpu for the paged part and the no-prefix test, seq_lens_cpu
+    and seq_lens_sum for the indptrs), so each plan checks that the host has them and that they are the batch's
+    device lengths (a plan from other lengths than the kernels run with reads the wrong KV)."""
+
+    def __init__(self) -> None:
+        self.plans: list = []
+
+    def init_forward_metadata(self, fb: Any) -> None:
+        check_host_lengths(fb)
+        self.plans.append(list(fb.extend_prefix_lens_cpu))
+
+
+def check_host_lengths(fb: Any) -> None:
+    for name, dev in (("seq_lens_cpu", fb.seq_lens), ("extend_prefix_lens_cpu", fb.extend_prefix_lens),
+                      ("extend_seq_lens_cpu", fb.extend_seq_lens)):
+        host = getattr(fb, name, None)
+        assert host is not None, f"flashinfer plans a draft extend from {name}, and the batch has none"
+        assert [int(x) for x in host] == [int(x) for x in dev], f"{name} {list(host)} != the device's {dev.tolist()}"
+    assert fb.seq_lens_sum == int(fb.seq_lens.sum()), "seq_lens_sum is not the lengths' sum"
+
+
 class ToyDraft:
     """A one-layer 'draft model' over a KV pool of float64 scalars, one per slot. Row r of request i (position
     q = prefix_i + r, token x, target hidden h): its context c = the sum of the KV values of positions < prefix_i
@@ -93,14 +120,14 @@ class ToyDraft:
     its output hidden state h / 2 + c; its logits one-hot at c mod the vocabulary. Integer-valued throughout, so
     the same KV gives the same outputs whatever the order of the sums."""
 
-    def __init__(self, req_to_token: torch.Tensor, num_slots: int):
+    def __init__(self, req_to_token: torch.Tensor, num_slots: int, attn_backend: Any = None):
         self.req_to_token = req_to_token
         self.kv = torch.zeros(num_slots, dtype=torch.float64)
         self.calls: list = []
         self.canary_manager = None
         self.spec_algorithm = SimpleNamespace(is_standalone=lambda: False)
         self.model_config = SimpleNamespace(model_is_mrope=False, vocab_size=DRAFT_VOCAB)
-        self.attn_backend = TritonAttnBackend()  # plans a draft extend without host lengths, as triton does
+        self.attn_backend = attn_backend if attn_backend is not None else TritonAttnBackend()
 
     def forward(self, fb: Any) -> SimpleNamespace:
         hidden = fb.spec_info.hidden_states.to(torch.float64)
@@ -154,15 +181,19 @@ def sglang() -> SimpleNamespace:
 
 class Server:
     """An EAGLE worker's draft side at steps 0, its request slots, and SGLang's draft extend on the toy draft.
-    Hidden states of width `width` (the target's); draft outputs of the same width."""
+    Hidden states of width `width` (the target's); draft outputs of the same width. `backend`: the draft's
+    attention, "triton" (plans on the GPU; batches carry no host lengths, as SGLang resolves none for a triton
+    launch) or "flashinfer" (plans from host lengths, which every batch carries, as SGLang resolves them)."""
 
-    def __init__(self, *, slots: int = 6, max_len: int = 96, width: int = 3):
+    def __init__(self, *, slots: int = 6, max_len: int = 96, width: int = 3, backend: str = "triton"):
         sg = sglang()
         self.width = width
+        self.host_lens = backend == "flashinfer"
         self.req_to_token = torch.zeros((slots, max_len), dtype=torch.int32)
         for s in range(1, slots):  # slot 0 is SGLang's padding row; KV slot 0 its padding slot
             self.req_to_token[s] = 1 + (s - 1) * max_len + torch.arange(max_len, dtype=torch.int32)
-        self.draft = ToyDraft(self.req_to_token, 1 + (slots - 1) * max_len)
+        attn = {"triton": TritonAttnBackend, "flashinfer": FlashInferAttnBackend}[backend]()
+        self.draft = ToyDraft(self.req_to_token, 1 + (slots - 1) * max_len, attn)
         self.dw = SimpleNamespace(device="cpu", speculative_num_steps=0, speculative_num_draft_tokens=1, topk=1,
                                   draft_runner=self.draft, cuda_graph_runner_for_draft_extend=None,
                                   plan_stream=None, plan_stream_ctx=contextlib.nullcontext(),
@@ -179,7 +210,10 @@ class Server:
         = one KV slot per request, at that position."""
         idx = torch.tensor(reqs, dtype=torch.int64)
         lens = torch.tensor(seq_lens, dtype=torch.int64)
-        return SimpleNamespace(req_pool_indices=idx, seq_lens=lens, seq_lens_cpu=None, seq_lens_sum=None,
+        host = self.host_lens
+        return SimpleNamespace(req_pool_indices=idx, req_pool_indices_cpu=idx.clone(), seq_lens=lens,
+                               seq_lens_cpu=lens.clone() if host else None,
+                               seq_lens_sum=int(lens.sum()) if host else None,
                                out_cache_loc=self.req_to_token[idx, lens].to(torch.int64), forward_mode=mode,
                                input_ids=None, spec_info=None, return_logprob=False, reqs=[None] * len(reqs),
                                model_config=SimpleNamespace(vocab_size=DRAFT_VOCAB), multimodal_inputs=[None] * len(reqs))

@@ -51,16 +51,19 @@ class StandinGraph:
     """A runtime state's draft-extend CUDA graph runner as SGLang's _draft_extend_for_decode uses it: can_run_graph
     (the batch's width must be the captured one, its size within the captured sizes) and execute (here the toy
     draft's forward: a replay computes what the eager forward does, into static buffers; 0.5.23 hands it the rows
-    to keep, selected in the graph before the LM head)."""
+    to keep, selected in the graph before the LM head). `host`: a flashinfer draft's graph, whose replay plans from
+    the batch's host lengths (0.5.17's fast_prefill_plan asserts seq_lens_cpu)."""
 
-    def __init__(self, draft, width, max_bs=8):
-        self.draft, self.captured_req_width, self.max_bs = draft, width, max_bs
+    def __init__(self, draft, width, max_bs=8, host=None):
+        self.draft, self.captured_req_width, self.max_bs, self.host = draft, width, max_bs, host
         self.replays: list = []
 
     def can_run_graph(self, fb):
         return fb.spec_info.num_tokens_per_req == self.captured_req_width and fb.seq_lens.numel() <= self.max_bs
 
     def execute(self, fb, select_index=None):
+        if self.host is not None:
+            self.host(fb)
         self.replays.append([int(e) for e in fb.extend_seq_lens])
         out = self.draft.forward(fb).logits_output
         if select_index is None:
@@ -69,14 +72,21 @@ class StandinGraph:
                                hidden_states=out.hidden_states[select_index])
 
 
-def run(H, schedule, k=None, graph_bs=None):
+BACKENDS = ("triton", "flashinfer")
+
+
+def run(H, schedule, k=None, graph_bs=None, backend="triton", host_plan=None):
     """schedule: list of (event, arg): ("prefill", {req: prompt len}) or ("off", None) (one steps-0 step of the
     live requests) or ("finish", req). Extends per step as SGLang does (k None) or through the catch-up (with a
-    stand-in draft-extend graph k wide holding graph_bs requests, if given); then the next speculative step's draft
-    inputs. Returns (KV, draft inputs of the next step, live lengths, catch-up)."""
-    srv = H.Server()
-    graph = StandinGraph(srv.draft, k, graph_bs) if graph_bs else None
-    cu = dc.DraftCatchup(k=k, worker=srv.worker, torch_mod=torch, graph=graph) if k else None
+    stand-in draft-extend graph k wide holding graph_bs requests, if given), on a draft whose attention is
+    `backend`'s (the catch-up told that it plans from host lengths where it is flashinfer, unless `host_plan` says
+    otherwise); then the next speculative step's draft inputs. Returns (KV, draft inputs of the next step, live
+    lengths, catch-up)."""
+    srv = H.Server(backend=backend)
+    host = backend == "flashinfer"
+    graph = StandinGraph(srv.draft, k, graph_bs, host=H.check_host_lengths if host else None) if graph_bs else None
+    cu = (dc.DraftCatchup(k=k, worker=srv.worker, torch_mod=torch, graph=graph,
+                          host_plan=host if host_plan is None else host_plan) if k else None)
     live: dict = {}
     last = {}
     for ev, arg in schedule:
@@ -125,10 +135,11 @@ def assert_same_draft(ref, got, live):
 OFF = ("off", None)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("n_off,k", [(21, 8), (8, 8), (3, 8), (1, 2), (40, 16)])
-def test_the_catch_up_leaves_the_draft_where_extending_every_step_does(H, n_off, k):
+def test_the_catch_up_leaves_the_draft_where_extending_every_step_does(H, n_off, k, backend):
     sched = [("prefill", {1: 5, 2: 9})] + [OFF] * n_off
-    ref, got = run(H, sched), run(H, sched, k=k)
+    ref, got = run(H, sched, backend=backend), run(H, sched, k=k, backend=backend)
     assert_same_draft(ref, got, got[2])
     cu = got[3]
     assert cu.on and cu.num_recorded == n_off
@@ -138,12 +149,13 @@ def test_the_catch_up_leaves_the_draft_where_extending_every_step_does(H, n_off,
     assert all(w == [k, k] for w in windows) and len(windows) == cu.num_catchups
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("graph_bs,replayed", [(8, True), (1, False)])
-def test_a_catch_up_with_a_graph_of_its_width_replays_it_where_the_batch_fits(H, graph_bs, replayed):
+def test_a_catch_up_with_a_graph_of_its_width_replays_it_where_the_batch_fits(H, graph_bs, replayed, backend):
     """SGLang's own extend takes the graph when can_run_graph says so (two requests: within 8, not within 1) and
     the eager forward otherwise; either way the draft ends where extending every step leaves it."""
     sched = [("prefill", {1: 5, 2: 9})] + [OFF] * 10
-    ref, got = run(H, sched), run(H, sched, k=4, graph_bs=graph_bs)
+    ref, got = run(H, sched, backend=backend), run(H, sched, k=4, graph_bs=graph_bs, backend=backend)
     assert_same_draft(ref, got, got[2])
     cu = got[3]
     assert cu.num_catchups == 3  # steps 4 and 8, and before the draft (2 pending)
@@ -180,12 +192,60 @@ def test_without_an_adaptive_controller_there_is_no_graph():
     assert dc.graph_of_width(SimpleNamespace(adaptive_controller=SimpleNamespace()), 4) is None
 
 
-def test_requests_joining_mid_stretch_catch_up_over_their_own_pending_tokens(H):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_requests_joining_mid_stretch_catch_up_over_their_own_pending_tokens(H, backend):
     sched = ([("prefill", {1: 5, 2: 9})] + [OFF] * 6 + [("prefill", {3: 4})] + [OFF] * 12 + [("prefill", {4: 30})]
              + [OFF] * 2)
-    ref, got = run(H, sched), run(H, sched, k=8)
+    ref, got = run(H, sched, backend=backend), run(H, sched, k=8, backend=backend)
     assert_same_draft(ref, got, got[2])
     assert got[3].worker._draft_worker.draft_runner.calls == [[8, 8, 8], [8, 8, 8], [8, 8, 8, 8]]
+    if backend == "flashinfer":  # each window planned from where it starts: the length after the step less what is
+        # pending (catch-ups at steps 8 and 16, 8 pending; request 3 joined at step 7 with 4 tokens, 2 pending at step
+        # 8; before the draft after step 20, 4 pending, request 4 prefilled with 30 tokens after step 18, 2 pending)
+        assert got[3].worker._draft_worker.draft_runner.attn_backend.plans == [
+            [13 - 8, 17 - 8, 6 - 2], [21 - 8, 25 - 8, 14 - 8], [25 - 4, 29 - 4, 18 - 4, 32 - 2]]
+
+
+def test_a_flashinfer_draft_gets_no_window_it_cannot_plan(H):
+    """Without the host lengths (the window planned on the GPU, as for triton) flashinfer's plan has nothing to read:
+    the first catch-up fails, the catch-up turns itself off, and that step extends the draft as SGLang does."""
+    sched = [("prefill", {1: 5, 2: 9})] + [OFF] * 6
+    ref, got = run(H, sched, backend="flashinfer"), run(H, sched, k=4, backend="flashinfer", host_plan=False)
+    cu = got[3]
+    assert not cu.on and "plans a draft extend from seq_lens_cpu" in cu.off_reason
+    assert not torch.equal(got[0][1:], ref[0][1:])  # steps 1-3 never reached the draft: fewer accepted, no wrong token
+
+
+def test_a_flashinfer_batch_without_host_lengths_reads_them_from_the_gpu(H):
+    """A step whose batch has no host lengths (SGLang resolves them for every step of a flashinfer launch; a batch
+    without them would be another launch's) still gets a plannable window: its lengths read from the GPU, counted."""
+    srv = H.Server(backend="flashinfer")
+    ref = H.Server(backend="flashinfer")
+    cu = dc.DraftCatchup(k=2, worker=srv.worker, torch_mod=torch, host_plan=True)
+    for s in (srv, ref):
+        prefill(s, [1, 2], [5, 9])
+    live = {1: 5, 2: 9}
+    for _ in range(4):
+        b, res = step_of(srv, live)
+        b.seq_lens_cpu = b.seq_lens_sum = None
+        cu.around_extend(srv.extend, srv.dw, b, res, (), {})
+        b2, res2 = step_of(ref, live)
+        ref.dw.speculative_num_draft_tokens = 1
+        ref.extend(ref.dw, b2, res2)
+        live = {r: n + 1 for r, n in live.items()}
+    assert cu.on and cu.num_catchups == 2 and cu.num_pulls == 2
+    assert torch.equal(srv.draft.kv[1:], ref.draft.kv[1:])
+
+
+def test_a_batch_without_host_rows_turns_the_catch_up_off_before_it_records(H):
+    srv = H.Server()
+    cu = dc.DraftCatchup(k=4, worker=srv.worker, torch_mod=torch)
+    prefill(srv, [1], [5])
+    b, res = step_of(srv, {1: 5})
+    b.req_pool_indices_cpu = None
+    cu.around_extend(srv.extend, srv.dw, b, res, (), {})
+    assert not cu.on and "req_pool_indices_cpu" in cu.off_reason and cu.num_recorded == 0
+    assert srv.draft.calls == [[1]]  # the step extended the draft as SGLang does
 
 
 def test_a_request_that_finishes_mid_stretch_leaves_its_pending_positions_unextended(H):
@@ -341,14 +401,17 @@ def test_mixed_chunks_tensor_parallelism_and_missing_methods_are_named():
     assert "no draft" in dc.unsupported_reason(w, trees=False, plain_reason=None)
 
 
-@pytest.mark.parametrize("backend, ok", [("TritonAttnBackend", True), ("FlashInferAttnBackend", False),
-                                         ("FlashAttentionBackend", False)])
-def test_only_a_triton_draft_extends_without_host_lengths(backend, ok):
-    """The catch-up's window has no host lengths (what is pending lives on the GPU): flashinfer's draft-extend plan
-    needs them (0.5.17: fast_prefill_plan asserts seq_lens_cpu), so the catch-up is refused up front there, not
-    turned off by the first catch-up's error."""
-    got = dc.unsupported_reason(_worker(draft_backend=backend), trees=False, plain_reason=None)
-    assert (got is None) if ok else (backend in got and "host lengths" in got)
+@pytest.mark.parametrize("backend, ok", [("TritonAttnBackend", True), ("FlashInferAttnBackend", True),
+                                         ("FlashAttentionBackend", False), ("NoneType", False)])
+def test_a_triton_or_flashinfer_draft_only(backend, ok):
+    """A triton draft plans the window on the GPU, a flashinfer one from the host lengths the catch-up gives it;
+    another backend's draft-extend plan is unchecked, so the catch-up is refused up front there, not turned off
+    by the first catch-up's error."""
+    w = _worker(draft_backend=backend)
+    if backend == "NoneType":
+        w._draft_worker.draft_runner = SimpleNamespace()
+    got = dc.unsupported_reason(w, trees=False, plain_reason=None)
+    assert (got is None) if ok else (backend in got and "triton or flashinfer" in got)
 
 
 @pytest.mark.parametrize("value,k", [(None, 0), ("off", 0), ("0", 0), ("on", 16), ("1", 16), ("8", 8)])
@@ -381,6 +444,14 @@ def test_build_says_why_not_and_builds_only_on_a_launch_that_can(H, caplog):
     with caplog.at_level(logging.INFO, logger="specctl.plugin"):
         cu = dc.build(srv.worker, k=4, trees=False, plain_reason=None)
     assert cu.graph.name == "s3" and "replaying the draft-extend CUDA graph" in caplog.records[-1].getMessage()
+    assert not cu.host_plan and "on the GPU (triton draft)" in caplog.records[-1].getMessage()
+    fi = H.Server(backend="flashinfer")
+    fi.worker.server_args = SimpleNamespace()
+    for name in ("_draft_extend_for_prefill", "draft"):
+        setattr(fi.dw, name, lambda *a, **k: None)
+    with caplog.at_level(logging.INFO, logger="specctl.plugin"):
+        cu = dc.build(fi.worker, k=4, trees=False, plain_reason=None)
+    assert cu.host_plan and "from host lengths (flashinfer draft)" in caplog.records[-1].getMessage()
 
 
 def test_the_runtime_builds_no_catch_up_when_its_hooks_are_missing(H, caplog):
