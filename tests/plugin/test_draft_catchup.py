@@ -75,14 +75,16 @@ class StandinGraph:
 BACKENDS = ("triton", "flashinfer")
 
 
-def run(H, schedule, k=None, graph_bs=None, backend="triton", host_plan=None):
+def run(H, schedule, k=None, graph_bs=None, backend="triton", host_plan=None, attn=None):
     """schedule: list of (event, arg): ("prefill", {req: prompt len}) or ("off", None) (one steps-0 step of the
     live requests) or ("finish", req). Extends per step as SGLang does (k None) or through the catch-up (with a
     stand-in draft-extend graph k wide holding graph_bs requests, if given), on a draft whose attention is
     `backend`'s (the catch-up told that it plans from host lengths where it is flashinfer, unless `host_plan` says
-    otherwise); then the next speculative step's draft inputs. Returns (KV, draft inputs of the next step, live
-    lengths, catch-up)."""
+    otherwise; `attn(server)`: another draft attention); then the next speculative step's draft inputs. Returns (KV,
+    draft inputs of the next step, live lengths, catch-up)."""
     srv = H.Server(backend=backend)
+    if attn is not None:
+        srv.draft.attn_backend = attn(srv)
     host = backend == "flashinfer"
     graph = StandinGraph(srv.draft, k, graph_bs, host=H.check_host_lengths if host else None) if graph_bs else None
     cu = (dc.DraftCatchup(k=k, worker=srv.worker, torch_mod=torch, graph=graph,
@@ -204,6 +206,69 @@ def test_requests_joining_mid_stretch_catch_up_over_their_own_pending_tokens(H, 
         # 8; before the draft after step 20, 4 pending, request 4 prefilled with 30 tokens after step 18, 2 pending)
         assert got[3].worker._draft_worker.draft_runner.attn_backend.plans == [
             [13 - 8, 17 - 8, 6 - 2], [21 - 8, 25 - 8, 14 - 8], [25 - 4, 29 - 4, 18 - 4, 32 - 2]]
+
+
+class SGLangFlashinferPlan:
+    """The draft's attention as SGLang 0.5.17's own FlashInferAttnBackend.init_forward_metadata plans an extend
+    (tests/plugin/fi_extend_harness.py: compiled from the installed source, flashinfer's plan() stood in for on CPU),
+    over the draft harness's request slots; every plan's wrapper state is kept with the batch it came from."""
+
+    def __init__(self, fx, req_to_token, use_paged, check_host_lengths):
+        self.check_host_lengths = check_host_lengths
+        self.h = fx.Harness(num_pool=req_to_token.shape[0], max_context_len=req_to_token.shape[1])
+        self.h.updater.req_to_token = req_to_token
+        self.h.backend.use_paged = use_paged
+        self.plans: list = []
+
+    def init_forward_metadata(self, fb):
+        self.check_host_lengths(fb)
+        # what flashinfer reads of the host lengths (DRAFT_EXTEND_V2 takes the backend's extend branch)
+        fb2 = self.h.batch(fb.seq_lens.tolist(), fb.extend_prefix_lens.tolist(), slots=fb.req_pool_indices.tolist(),
+                           host_seq_lens=fb.seq_lens_cpu.tolist(), host_prefix_lens=fb.extend_prefix_lens_cpu)
+        self.plans.append((fb2, self.h.plan(fb2)))
+
+
+@pytest.mark.parametrize("use_paged", [False, True])
+def test_sglangs_flashinfer_extend_plan_takes_the_catch_ups_window(H, import_sibling, use_paged):
+    """SGLang 0.5.17's flashinfer extend plan, given the catch-up's windows (eager ones: 16 rows a request), plans
+    exactly them: k query rows a request; KV = each request's cached slots before its window (ragged: the window's
+    own rows attend in the ragged part) or through its window's end (paged); and the draft ends where extending
+    every step leaves it."""
+    import sglang
+
+    if sglang.__version__ != "0.5.17":
+        pytest.skip("the harness compiles SGLang 0.5.17's extend plan path (0.5.23 plans through KVLocPlan)")
+    fx = import_sibling("fi_extend_harness")
+    k = 16
+    sched = [("prefill", {1: 5, 2: 9})] + [OFF] * 5 + [("prefill", {4: 30})] + [OFF] * 18
+    ref = run(H, sched, backend="flashinfer")
+    plans: list = []
+
+    def sglang_plan(srv):
+        p = SGLangFlashinferPlan(fx, srv.req_to_token, use_paged, H.check_host_lengths)
+        plans.append(p)
+        return p
+    got = run(H, sched, k=k, backend="flashinfer", attn=sglang_plan)
+    assert_same_draft(ref, got, got[2])
+    assert got[3].on and got[3].num_catchups == 2  # at step 16, and before the draft (2 pending)
+    r2t = plans[0].h.updater.req_to_token
+    # committed after step 16 (request 4: 30 tokens, then steps 6-16) less 16 / 16 / 11 pending; then, before the
+    # draft, after step 18 less 2 pending
+    for (fb, plan), starts in zip(plans[0].plans, ([5, 9, 30], [21, 25, 41])):
+        rows = fb.req_pool_indices.tolist()
+        assert fb.extend_prefix_lens_cpu == starts and plan["use_ragged"] is (not use_paged)
+        window = [k * i for i in range(len(rows) + 1)]
+        if use_paged:
+            w = plan["paged"]
+            assert w["_qo_indptr_buf"].tolist() == window
+            kv = [s + k for s in starts]
+        else:
+            assert plan["ragged"]["_qo_indptr_buf"].tolist() == plan["ragged"]["_kv_indptr_buf"].tolist() == window
+            w = plan["paged"]
+            kv = starts
+        assert w["_paged_kv_indptr_buf"].tolist() == [sum(kv[:i]) for i in range(len(kv) + 1)]
+        want = torch.cat([r2t[r, :n] for r, n in zip(rows, kv)])
+        assert torch.equal(w["_paged_kv_indices_buf"], want.to(w["_paged_kv_indices_buf"].dtype))
 
 
 def test_a_flashinfer_draft_gets_no_window_it_cannot_plan(H):
