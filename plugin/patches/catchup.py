@@ -266,7 +266,8 @@ def unsupported_reason(worker: Any, *, trees: bool, plain_reason: Optional[str],
     backend = draft_backend(worker)
     if backend not in (TRITON, FLASHINFER):
         # a triton draft plans the window on the GPU, a flashinfer one from the host lengths the catch-up gives it;
-        # what any other backend's draft-extend plan reads of a window has not been checked
+        # others are unchecked (fa3, 0.5.17: its eager draft-extend metadata takes the window's query length from
+        # extend_seq_lens_cpu, or without it from its own launch width, which a K-wide window is not)
         return f"the draft's attention backend is {backend} (the catch-up extends a triton or flashinfer draft)"
     return None
 
