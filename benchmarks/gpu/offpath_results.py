@@ -41,8 +41,11 @@ NO_SPEC_POLICY, DECODE_STATE, TRIVIAL = "off", "plugin-fixed:1:s3", "plugin-fixe
 SKIP_DE = "+skipde"  # the decode state without the steps-0 draft extend (SGLANG_SPEC_SKIP_ZERO_STEP_DRAFT_EXTEND=1)
 DECODE_STATE_DEG = "plugin-fixed:1:s3+deg"  # the decode state with the steps-0 draft extend in its own graph
 DECODE_STATE_NODEG = "plugin-fixed:1:s3+nodeg"  # ... and without (0.5.17's launch-width graphs)
-DECODE_STATE_CATCHUP = "plugin-fixed:1:s3+catchup"  # ... with the steps-0 draft extends deferred (catchup)
-STEP_POLICIES = ("off", DECODE_STATE, TRIVIAL, DECODE_STATE_DEG, DECODE_STATE_NODEG, DECODE_STATE_CATCHUP)
+DECODE_STATE_CATCHUP = "plugin-fixed:1:s3+catchup"  # ... with the steps-0 draft extends deferred (catchup=on: 16)
+DECODE_STATE_CATCHUP4 = "plugin-fixed:1:s3+catchup4"  # ... once per 4 steps, through the s3 state's draft-extend graph
+# the decode state's catch-up variants -> their columns' key
+CATCHUP_KEYS = {DECODE_STATE_CATCHUP: "off_state_catchup", DECODE_STATE_CATCHUP4: "off_state_catchup4"}
+STEP_POLICIES = ("off", DECODE_STATE, TRIVIAL, DECODE_STATE_DEG, DECODE_STATE_NODEG, *CATCHUP_KEYS)
 
 
 def shipped(pol: str) -> str:
@@ -51,6 +54,7 @@ def shipped(pol: str) -> str:
     return pol.replace("+deg", "")
 RESYNC, RESYNC_SKIP = "plugin-fixed:5:s3", "plugin-fixed:5:s3+skipde"
 RESYNC_CATCHUP = "plugin-fixed:5:s3+catchup"  # the resync probe with the steps-0 draft extends deferred
+RESYNC_CATCHUPS = {RESYNC_CATCHUP: "catchup", "plugin-fixed:5:s3+catchup4": "catchup4"}  # -> the fields' suffix
 
 
 def step_name(pol: str) -> str:
@@ -137,7 +141,7 @@ def clean_step_costs(log_dirs: list[str], concurrencies: list[int]) -> list[dict
                 if r.get("clean_step_ms_med") and r["clean_lines"] >= MIN_CLEAN_WINDOWS:
                     row[pol] = {"ms": r["clean_step_ms_med"], "windows": r["clean_lines"]}
             ref = (row.get(NO_SPEC_POLICY) or {}).get("ms")
-            for pol in (DECODE_STATE, DECODE_STATE + "+lp", DECODE_STATE + SKIP_DE, DECODE_STATE_CATCHUP, TRIVIAL):
+            for pol in (DECODE_STATE, DECODE_STATE + "+lp", DECODE_STATE + SKIP_DE, *CATCHUP_KEYS, TRIVIAL):
                 if ref and (row.get(pol) or {}).get("ms"):
                     row[pol]["vs_no_spec"] = round(row[pol]["ms"] / ref, 4)
             stock = (row.get(S3_STOCK_NOW) or {}).get("ms") or (row.get(S3_STOCK) or {}).get("ms")
@@ -250,7 +254,7 @@ def step_costs(runs: list[dict]) -> list[dict]:
         if row["no_spec_ms"] and row["trivial_verify_ms"]:
             row["trivial_verify_vs_no_spec"] = round(row["trivial_verify_ms"] / row["no_spec_ms"], 4)
         for pol, key in ((DECODE_STATE_DEG, "off_state_deg"), (DECODE_STATE_NODEG, "off_state_nodeg"),
-                         (DECODE_STATE_CATCHUP, "off_state_catchup")):
+                         *CATCHUP_KEYS.items()):
             if med.get(pol):
                 row[f"{key}_ms"] = med[pol]
                 if row["no_spec_ms"]:
@@ -341,18 +345,20 @@ def build(benches: list[dict], calls: list[str], log_dirs: list[str] | None = No
             # run_bench's prefill probe: the prompts' log-probabilities against the no-spec server's
             rec["prefill_identity"] = b["prefill_identity"]
         rs = {shipped(k): v for k, v in (b.get("resync") or {}).items()}
-        if RESYNC in rs or RESYNC_SKIP in rs or RESYNC_CATCHUP in rs:
-            a, s, c = rs.get(RESYNC) or {}, rs.get(RESYNC_SKIP) or {}, rs.get(RESYNC_CATCHUP) or {}
+        if RESYNC in rs or RESYNC_SKIP in rs or any(p in rs for p in RESYNC_CATCHUPS):
+            a, s = rs.get(RESYNC) or {}, rs.get(RESYNC_SKIP) or {}
             rec["resync"] = {"accept_before": a.get("accept_before"), "accept_after": a.get("accept_after"),
                              "accept_after_skip_control": s.get("accept_after"),
                              "accept_before_skip_control": s.get("accept_before"),
                              # the reference continued from the run's own text (run_bench.resync_probe, stage 3)
                              "accept_same_text": a.get("accept_same_text"),
                              "accept_same_text_skip_control": s.get("accept_same_text"),
-                             # the draft's steps-0 extends deferred to catch-ups (catchup)
-                             "accept_after_catchup": c.get("accept_after"),
-                             "accept_same_text_catchup": c.get("accept_same_text"),
                              "off_stretch_s": a.get("off_stretch_s"), "details": rs}
+            for pol, suffix in RESYNC_CATCHUPS.items():  # the draft's steps-0 extends deferred to catch-ups
+                c = rs.get(pol) or {}
+                if c or suffix == "catchup":
+                    rec["resync"][f"accept_after_{suffix}"] = c.get("accept_after")
+                    rec["resync"][f"accept_same_text_{suffix}"] = c.get("accept_same_text")
     if runs_of_identity:
         # the issue's figure: batch 1 (each prompt alone), the longest run; every run per concurrency beside it
         one = [e for e in runs_of_identity if e["concurrency"] == 1] or runs_of_identity
@@ -419,7 +425,7 @@ def paired_envelope(sweep: list[dict]) -> dict:
 def targets(rec: dict) -> dict:
     """Each of the issue's bounds with the figure it is checked on (None where the figure is missing)."""
     t = {"off_state_le_1.03x_no_spec": {str(r["concurrency"]): r.get("off_state_vs_no_spec") for r in rec["step_costs"]}}
-    for key in ("off_state_catchup", "off_state_deg"):  # the decode state's variants, where a call ran them
+    for key in (*CATCHUP_KEYS.values(), "off_state_deg"):  # the decode state's variants, where a call ran them
         if any(f"{key}_vs_no_spec" in r for r in rec["step_costs"]):
             t[f"{key}_le_1.03x_no_spec"] = {str(r["concurrency"]): r.get(f"{key}_vs_no_spec") for r in rec["step_costs"]}
     env: dict[int, float] = {}
@@ -450,7 +456,7 @@ def targets(rec: dict) -> dict:
         t["s3_splitkv_le_0.87x_stock"] = {str(r["concurrency"]): r.get("splitkv_vs_stock") for r in rec["splitkv"]}
     for r in rec.get("step_costs_clean") or []:
         for pol, key in ((DECODE_STATE, "off_state"), (DECODE_STATE + "+lp", "off_state"),
-                         (DECODE_STATE_CATCHUP, "off_state_catchup"), (S3_SPLITKV, "s3_splitkv")):
+                         *CATCHUP_KEYS.items(), (S3_SPLITKV, "s3_splitkv")):
             v = (r.get(pol) or {}).get("vs_stock" if key == "s3_splitkv" else "vs_no_spec")
             if v is not None:
                 t.setdefault(f"{key}_clean_windows", {}).setdefault(str(r["concurrency"]), []).append(v)
@@ -459,8 +465,10 @@ def targets(rec: dict) -> dict:
         # item 4 against the same-text reference: the shipped plugin's tail ÷ its reference (target: within
         # noise of 1), and the control's (it must fall below, or the probe cannot tell)
         t["resync_tail_vs_same_text"] = round(rs["accept_after"] / rs["accept_same_text"], 4)
-        if rs.get("accept_same_text_catchup") and rs.get("accept_after_catchup"):
-            t["resync_catchup_tail_vs_same_text"] = round(rs["accept_after_catchup"] / rs["accept_same_text_catchup"], 4)
+        for suffix in RESYNC_CATCHUPS.values():
+            if rs.get(f"accept_same_text_{suffix}") and rs.get(f"accept_after_{suffix}"):
+                t[f"resync_{suffix}_tail_vs_same_text"] = round(
+                    rs[f"accept_after_{suffix}"] / rs[f"accept_same_text_{suffix}"], 4)
         if rs.get("accept_same_text_skip_control") and rs.get("accept_after_skip_control"):
             t["resync_control_tail_vs_same_text"] = round(
                 rs["accept_after_skip_control"] / rs["accept_same_text_skip_control"], 4)

@@ -779,20 +779,22 @@ def test_steps_after_a_prefill_are_told_from_steps_after_a_step():
                    (3, "16-47"): {"after_prefill": [1, 12.0], "after_step": [1, 9.0]}}
 
 
-def test_the_catch_up_servers_have_their_own_step_cost_and_resync_columns():
+@pytest.mark.parametrize("suffix", ["catchup", "catchup4"])
+def test_the_catch_up_servers_have_their_own_step_cost_and_resync_columns(suffix):
+    pol, resync = f"{O.DECODE_STATE}+{suffix}", f"{O.RESYNC}+{suffix}"
     bench = {"gpu": "NVIDIA H200", "sglang": "0.5.17", "model": "m", "draft": "d",
-             "runs": [_row("off", 16, [6.7, 6.7]), _row(O.DECODE_STATE, 16, [6.92, 6.9]),
-                      _row(O.DECODE_STATE_CATCHUP, 16, [6.78, 6.8])],
+             "runs": [_row("off", 16, [6.7, 6.7]), _row(O.DECODE_STATE, 16, [6.92, 6.9]), _row(pol, 16, [6.78, 6.8]),
+                      _row("static:s3", 16, [5.0, 5.0])],
              "phase_runs": [], "identity": {},
              "resync": {O.RESYNC: {"accept_after": 1.67, "accept_same_text": 1.70},
-                        O.RESYNC_CATCHUP: {"accept_after": 1.66, "accept_same_text": 1.69}}}
+                        resync: {"accept_after": 1.66, "accept_same_text": 1.69}}}
     rec = O.build([bench], ["call C"])
     row = rec["step_costs"][0]
-    assert row["off_state_ms"] == 6.91 and row["off_state_catchup_ms"] == 6.79
-    assert rec["targets"]["off_state_catchup_le_1.03x_no_spec"] == {"16": round(6.79 / 6.7, 4)}
-    assert rec["resync"]["accept_after_catchup"] == 1.66
-    assert rec["targets"]["resync_catchup_tail_vs_same_text"] == round(1.66 / 1.69, 4)
-    assert O.DECODE_STATE_CATCHUP not in {r["policy"] for r in rec["sweep"]}
+    assert row["off_state_ms"] == 6.91 and row[f"off_state_{suffix}_ms"] == 6.79
+    assert rec["targets"][f"off_state_{suffix}_le_1.03x_no_spec"] == {"16": round(6.79 / 6.7, 4)}
+    assert rec["resync"][f"accept_after_{suffix}"] == 1.66
+    assert rec["targets"][f"resync_{suffix}_tail_vs_same_text"] == round(1.66 / 1.69, 4)
+    assert {r["policy"] for r in rec["sweep"]} == {"no-spec", "static:s3"}  # a catch-up server: a step-cost column
 
 
 def test_throughput_rows_mark_the_servers_profiled_before_they_measured():
