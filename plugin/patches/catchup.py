@@ -266,8 +266,8 @@ def unsupported_reason(worker: Any, *, trees: bool, plain_reason: Optional[str],
     backend = draft_backend(worker)
     if backend not in (TRITON, FLASHINFER):
         # a triton draft plans the window on the GPU, a flashinfer one from the host lengths the catch-up gives it;
-        # others are unchecked (fa3, 0.5.17: its eager draft-extend metadata takes the window's query length from
-        # extend_seq_lens_cpu, or without it from its own launch width, which a K-wide window is not)
+        # others are unchecked (fa3 reads the window's width from the extend_seq_lens_cpu SGLang's gpu_only path
+        # supplies, so it would plan as triton does, but neither its decode state nor this has run on a GPU)
         return f"the draft's attention backend is {backend} (the catch-up extends a triton or flashinfer draft)"
     return None
 
